@@ -1,0 +1,146 @@
+"""Invocation-wide plumbing for tasks.py: shared options, one session per host, errors -> exit codes.
+
+`invoke warmup train --ct 200`: Invoke gives `--ct` to `train` only; `Executor` (named in the
+project's invoke.yaml) sees every call of the invocation first and hands the one value of each
+shared option to every task, refusing two different values.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import inspect
+from dataclasses import dataclass
+
+import invoke
+from invoke import Exit
+
+from .errors import DflashOpsError, UsageError
+from .inventory import Container, Inventory, load_inventory
+from .transport import HostSession
+
+# Options that mean the same thing for every task of one invocation, with their "not given" value.
+SHARED_OPTIONS = {"ct": None, "inventory": None, "dry_run": False, "group": None}
+COMMON_HELP = {
+    "ct": "container id(s), e.g. 200 or 200,201 (default: the inventory's default_container)",
+    "inventory": "inventory YAML (default: $INVOKE_DFLASH_INVENTORY or inventory/production.yaml)",
+    "dry_run": "print the exact host command lines and connect to nothing",
+    "group": "an inventory group of containers",
+}
+
+
+def unify_shared_options(calls) -> dict:
+    """One value per shared option across all calls; two different given values is an error."""
+    chosen = {}
+    for name, unset in SHARED_OPTIONS.items():
+        given = {}
+        for call in calls:
+            value = call.kwargs.get(name, unset)
+            if value != unset and value is not None:
+                given.setdefault(str(value), call.called_as or call.task.name)
+        if len(given) > 1:
+            shown = ", ".join(f"--{name.replace('_', '-')} {v} ({t})" for v, t in given.items())
+            raise Exit(f"error: conflicting values in one invocation: {shown}", code=2)
+        if given:
+            value = next(v for call in calls if (v := call.kwargs.get(name, unset)) not in (unset, None))
+            chosen[name] = value
+    return chosen
+
+
+class Executor(invoke.Executor):
+    def expand_calls(self, calls):
+        calls = super().expand_calls(calls)
+        chosen = unify_shared_options(calls)
+        for call in calls:
+            params = inspect.signature(call.task.body).parameters
+            for name, value in chosen.items():
+                if name in params:
+                    call.kwargs[name] = value
+        return calls
+
+
+# --- one session per host for the whole invocation ---------------------------------------------
+_SESSIONS: dict[tuple, HostSession] = {}
+
+
+def session_for(inv: Inventory, container: Container, dry_run: bool = False) -> HostSession:
+    host = container.host
+    key = (inv.path, host.name, bool(dry_run))
+    if key not in _SESSIONS:
+        jump = inv.hosts[host.jump] if host.jump else None
+        secrets = [v for c in inv.containers.values() for v in c.secret_values()]
+        _SESSIONS[key] = HostSession(host, jump=jump, dry_run=dry_run, secrets=secrets)
+    return _SESSIONS[key]
+
+
+def session_stats() -> dict:
+    return {name: {"connections": s.connections, "round_trips": s.round_trips}
+            for (_, name, _), s in _SESSIONS.items()}
+
+
+@atexit.register
+def _close_sessions() -> None:
+    for s in _SESSIONS.values():
+        s.close()
+    _SESSIONS.clear()
+
+
+@dataclass
+class Target:
+    """What a task works on: the inventory, one container, and the session to its host."""
+
+    inventory: Inventory
+    container: Container
+    session: HostSession
+    dry_run: bool
+
+
+def inventory_path(c, inventory: str | None) -> str | None:
+    if inventory:
+        return inventory
+    try:
+        return c.config.dflash.inventory
+    except (AttributeError, KeyError):
+        return None
+
+
+def target(c, ct=None, inventory=None, dry_run=False) -> Target:
+    inv = load_inventory(inventory_path(c, inventory))
+    containers = inv.select(ct)
+    if len(containers) != 1:
+        raise UsageError("this task works on one container; give a single --ct")
+    container = containers[0]
+    return Target(inv, container, session_for(inv, container, dry_run), dry_run)
+
+
+def targets(c, ct=None, group=None, inventory=None, dry_run=False) -> list[Target]:
+    inv = load_inventory(inventory_path(c, inventory))
+    return [Target(inv, ct_, session_for(inv, ct_, dry_run), dry_run) for ct_ in inv.select(ct, group)]
+
+
+def reports_errors(fn):
+    """Turn a DflashOpsError into a one-line message on stderr and the error's exit code."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except DflashOpsError as exc:
+            raise Exit(f"error: {exc}", code=exc.exit_code) from None
+        except KeyboardInterrupt:
+            raise Exit("interrupted", code=130) from None
+
+    return wrapper
+
+
+def op_task(*args, help=None, **kwargs):
+    """`@task` with the shared options' help text and error reporting applied."""
+    def decorate(fn):
+        params = inspect.signature(fn).parameters
+        merged = {k: v for k, v in COMMON_HELP.items() if k in params}
+        merged.update(help or {})
+        return invoke.task(reports_errors(fn), help=merged, **kwargs)
+
+    if args and callable(args[0]):
+        return decorate(args[0])
+    return decorate

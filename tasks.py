@@ -1,0 +1,74 @@
+"""dflash-ops tasks: `invoke --list` shows them, `invoke --help TASK` explains one.
+
+Glue only: parse flags, pick the target, call one library function. No shell strings here.
+"""
+
+from invoke import Collection
+
+from dflash_ops import cli
+from dflash_ops.cli import op_task
+from dflash_ops.errors import UsageError
+
+
+# --- host keys ------------------------------------------------------------------------------------
+@op_task(help={"host": "host name from the inventory",
+               "fingerprint": "the SHA256:... fingerprint you verified out of band"})
+def trust_host(c, host, fingerprint=None, inventory=None):
+    """Pin a host's SSH key deliberately (shows the offered key; pins it only if --fingerprint matches).
+
+    dflash-ops never trusts a new or changed host key on its own. Get the key's fingerprint from
+    the host's console (`ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub`), then run this task with
+    `--fingerprint` to write it to the host's known_hosts file.
+    """
+    from dflash_ops import transport
+    from dflash_ops.inventory import load_inventory
+
+    inv = load_inventory(cli.inventory_path(c, inventory))
+    if host not in inv.hosts:
+        raise UsageError(f"no host {host!r} in {inv.path} (known: {', '.join(sorted(inv.hosts))})")
+    h = inv.hosts[host]
+    key = transport.HostSession(h).offered_host_key()
+    offered = transport.fingerprint(key)
+    print(f"{h.name} ({h.address}:{h.port}) offers {key.get_name()} {offered}")
+    if fingerprint is None:
+        print(f"not pinned: re-run with --fingerprint {offered} once you have checked it on the host")
+        return
+    if fingerprint.strip() != offered:
+        raise UsageError(f"fingerprint mismatch: you gave {fingerprint}, the host offers {offered}; nothing pinned")
+    print(f"pinned in {transport.pin_host_key(h, key)}")
+
+
+# --- the embedded host ----------------------------------------------------------------------------
+@op_task(help={"containers": "container ids to create, e.g. 200 or 200,201",
+               "hosts": "how many embedded hosts (each its own sshd on 127.0.0.1)"})
+def sandbox_up(c, containers="200", hosts=1):
+    """Start the embedded Proxmox host (sshd on 127.0.0.1 + pct) and write inventory/sandbox.yaml."""
+    from dflash_ops import sandbox
+
+    ids = tuple(int(x) for x in str(containers).split(",") if x.strip())
+    sandbox.up(containers=ids, hosts=int(hosts))
+
+
+@op_task
+def sandbox_down(c):
+    """Stop the embedded host: every container, every sshd; nothing is left running."""
+    from dflash_ops import sandbox
+
+    sandbox.down()
+
+
+@op_task
+def sandbox_status(c):
+    """Show the embedded host's sshd and containers."""
+    from dflash_ops import sandbox
+
+    sandbox.status()
+
+
+sandbox_ns = Collection("sandbox")
+sandbox_ns.add_task(sandbox_up, "up")
+sandbox_ns.add_task(sandbox_down, "down")
+sandbox_ns.add_task(sandbox_status, "status")
+
+ns = Collection(trust_host, sandbox_ns)
+ns.configure({"dflash": {"inventory": None}})

@@ -101,6 +101,28 @@ class Container:
     def label(self) -> str:
         return f"{self.host.name}/{self.ctid}"
 
+    @property
+    def venv_python(self) -> str:
+        return f"{self.paths.venv}/bin/python"
+
+    def run_env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The complete environment for warm-up, training and evaluation inside the container.
+
+        `pct exec` passes no environment and forces PATH, so everything is spelled out: the venv
+        first on PATH, the compile caches that warm-up and training share, then the inventory's env.
+        """
+        env = {
+            "PATH": f"{self.paths.venv}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "HOME": "/root",
+            "LANG": "C.UTF-8",
+            "VIRTUAL_ENV": self.paths.venv,
+            "PYTHONUNBUFFERED": "1",
+        }
+        env.update(self.paths.caches.env())
+        env.update(self.env)
+        env.update(extra or {})
+        return env
+
     def secret_values(self) -> tuple[str, ...]:
         """Values to mask in anything printed: named secrets and names that look like secrets."""
         values = []

@@ -45,8 +45,11 @@ def sandbox_up(c, containers="200", hosts=1):
     """Start the embedded Proxmox host (sshd on 127.0.0.1 + pct) and write inventory/sandbox.yaml."""
     from dflash_ops import sandbox
 
-    ids = tuple(int(x) for x in str(containers).split(",") if x.strip())
-    sandbox.up(containers=ids, hosts=int(hosts))
+    try:
+        ids = tuple(int(x) for x in str(containers).split(",") if x.strip())
+    except ValueError:
+        raise UsageError(f"--containers {containers!r}: give ids such as 200 or 200,201") from None
+    _report(sandbox.up(containers=ids, hosts=int(hosts)))
 
 
 @op_task
@@ -54,7 +57,7 @@ def sandbox_down(c):
     """Stop the embedded host: every container, every sshd; nothing is left running."""
     from dflash_ops import sandbox
 
-    sandbox.down()
+    _report(sandbox.down())
 
 
 @op_task
@@ -62,7 +65,13 @@ def sandbox_status(c):
     """Show the embedded host's sshd and containers."""
     from dflash_ops import sandbox
 
-    sandbox.status()
+    print(sandbox.status().describe())
+
+
+def _report(result) -> None:
+    for change in result.changed or ("nothing to do: already as asked",):
+        print(change)
+    print(result.describe())
 
 
 sandbox_ns = Collection("sandbox")

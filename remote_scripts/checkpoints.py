@@ -1,0 +1,104 @@
+"""Atomic checkpoints: RUN/checkpoints/step-N/ and a `latest` pointer.
+
+A checkpoint is written to a hidden temp directory, every file fsynced, then renamed into place;
+`latest` (a one-line file naming the directory) is replaced atomically afterwards. A crash at any
+point leaves either the previous checkpoint or the new one, never a half-written one that resume
+would pick. Each directory is dflash-loadable (config.json + model.safetensors) plus
+training_state.pt (optimizer, scheduler, step, sampler, RNG).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+import torch
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+STATE_FILE = "training_state.pt"
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: str) -> None:
+    for folder, _, files in os.walk(root):
+        for name in files:
+            _fsync_path(os.path.join(folder, name))
+        _fsync_path(folder)
+
+
+def write_atomic(path: str, data: str) -> None:
+    """Write a small text file via temp + fsync + rename."""
+    temp = f"{path}.tmp-{os.getpid()}"
+    with open(temp, "w") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temp, path)
+    _fsync_path(os.path.dirname(os.path.abspath(path)))
+
+
+def checkpoint_root(run_dir: str) -> str:
+    return os.path.join(run_dir, "checkpoints")
+
+
+def save_checkpoint(run_dir: str, step: int, write_files, keep_last: int) -> str:
+    """write_files(temp_dir) writes the checkpoint's files; returns the final directory."""
+    root = checkpoint_root(run_dir)
+    os.makedirs(root, exist_ok=True)
+    final = os.path.join(root, f"step-{step}")
+    if not os.path.isfile(os.path.join(final, STATE_FILE)):
+        temp = os.path.join(root, f".tmp-step-{step}-{os.getpid()}")
+        shutil.rmtree(temp, ignore_errors=True)
+        os.makedirs(temp)
+        write_files(temp)
+        _fsync_tree(temp)
+        shutil.rmtree(final, ignore_errors=True)  # an incomplete leftover of a crashed save
+        os.rename(temp, final)
+        _fsync_path(root)
+    write_atomic(os.path.join(root, "latest"), f"step-{step}\n")
+    prune(root, keep_last, keep=f"step-{step}")
+    return final
+
+
+def complete_steps(root: str) -> list[int]:
+    if not os.path.isdir(root):
+        return []
+    return sorted(int(m.group(1)) for name in os.listdir(root)
+                  if (m := STEP_DIR.match(name)) and os.path.isfile(os.path.join(root, name, STATE_FILE)))
+
+
+def prune(root: str, keep_last: int, keep: str) -> None:
+    for step in complete_steps(root)[:-keep_last]:
+        if f"step-{step}" != keep:
+            shutil.rmtree(os.path.join(root, f"step-{step}"), ignore_errors=True)
+    for name in os.listdir(root):  # temp dirs of saves that died before their rename
+        if name.startswith(".tmp-step-") and not name.endswith(f"-{os.getpid()}"):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def latest_checkpoint(run_dir: str) -> str | None:
+    """The directory `latest` names, or the highest complete step-N if the pointer is missing."""
+    root = checkpoint_root(run_dir)
+    pointer = os.path.join(root, "latest")
+    if os.path.isfile(pointer):
+        name = open(pointer).read().strip()
+        if STEP_DIR.match(name) and os.path.isfile(os.path.join(root, name, STATE_FILE)):
+            return os.path.join(root, name)
+    steps = complete_steps(root)
+    return os.path.join(root, f"step-{steps[-1]}") if steps else None
+
+
+def save_state(directory: str, state: dict) -> None:
+    torch.save(state, os.path.join(directory, STATE_FILE))
+
+
+def load_state(directory: str) -> dict:
+    return torch.load(os.path.join(directory, STATE_FILE), map_location="cpu", weights_only=False)

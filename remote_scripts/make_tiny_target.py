@@ -1,0 +1,120 @@
+"""Make a tiny Qwen3 target checkpoint directory locally (nothing downloaded).
+
+A word-level tokenizer over the synthetic data's vocabulary with a ChatML chat template and a
+`<|mask|>` token for DFlash, and a small random Qwen3ForCausalLM (tied embeddings), saved with
+save_pretrained so that training loads it exactly like a real checkpoint (AutoConfig,
+AutoModelForCausalLM, AutoTokenizer from the directory).
+
+--fit-steps N trains the random model for N steps on the synthetic train split, so that its
+greedy answers follow the data's patterns (useful when the data is regenerated with the target's
+own outputs: a purely random target answers with noise). Default 0: purely random.
+
+    python remote_scripts/make_tiny_target.py --out DIR [--fit-steps 0] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from data.make_synthetic import vocabulary  # noqa: E402
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>", "<unk>"]
+ROLES = ["system", "user", "assistant"]
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+EMBED_STD = 0.25
+MODEL_SIZE = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=6,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+
+
+def build_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = SPECIAL_TOKENS + ROLES + vocabulary()
+    vocab = {word: index for index, word in enumerate(dict.fromkeys(words))}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        unk_token="<unk>", mask_token="<|mask|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_model(tokenizer, seed: int):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    vocab_size = -(-len(tokenizer) // 64) * 64  # rounded up, as real checkpoints pad the vocab
+    config = Qwen3Config(
+        vocab_size=vocab_size, max_position_embeddings=2048, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, **MODEL_SIZE,
+    )
+    model = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        # Tied head: with the default 0.02 init every logit is ~0 and the softmax is flat, unlike
+        # a trained model's head; rows of norm ~2 give logits of a realistic range.
+        model.get_input_embeddings().weight.normal_(0.0, EMBED_STD)
+    return model
+
+
+def fit(model, tokenizer, data_path: str, steps: int, seed: int, batch_size: int = 32):
+    """A short next-token fit on the synthetic conversations (whole rendered text)."""
+    rows = [json.loads(line) for line in open(data_path)]
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for step in range(steps):
+        picks = torch.randint(len(rows), (batch_size,), generator=generator).tolist()
+        texts = [tokenizer.apply_chat_template(rows[i]["conversations"], tokenize=False)
+                 for i in picks]
+        batch = tokenizer(texts, return_tensors="pt", padding=True)
+        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        loss = model(**batch, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % 50 == 0 or step == steps - 1:
+            print(f"fit step {step}: loss {loss.item():.3f}", flush=True)
+    model.eval()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="checkpoint directory to write")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fit-steps", type=int, default=0,
+                        help="train on the synthetic data this many steps (0: purely random)")
+    parser.add_argument("--fit-data", default=os.path.join(os.path.dirname(
+        os.path.abspath(__file__)), "data", "train.jsonl"))
+    args = parser.parse_args()
+
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, args.seed)
+    if args.fit_steps > 0:
+        fit(model, tokenizer, args.fit_data, args.fit_steps, args.seed)
+    os.makedirs(args.out, exist_ok=True)
+    model.save_pretrained(args.out)
+    tokenizer.save_pretrained(args.out)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"tiny target: {params} parameters, vocab {model.config.vocab_size}, "
+          f"{model.config.num_hidden_layers} layers -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()

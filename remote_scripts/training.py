@@ -1,0 +1,270 @@
+"""The pieces train_dflash.py and warmup_compile.py share: devices, batches, drafter workers.
+
+One DrafterWorker per drafter device holds a full replica (drafter, optimizer, scheduler, frozen
+copies of the target's embeddings and LM head). Workers run as threads of one process; the main
+thread prepares every batch (target forward, anchors, masks), averages the gradients and runs
+evaluation and warm-up. Every compiled call goes through compile_safety (one process-wide lock).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import random
+import resource
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import compile_safety
+import dflash_model as dm
+from dflash_data import collate
+from train_config import Config, ConfigError
+
+
+# ----------------------------------------------------------------------------- devices
+
+def parse_devices(spec: str, key: str) -> list[str]:
+    devices = [d.strip() for d in spec.split(",") if d.strip()]
+    if not devices:
+        raise ConfigError(f"{key}: empty device list")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for device in devices:
+        if device == "cpu":
+            continue
+        match = device.startswith("cuda:") and device[5:].isdigit()
+        if not match:
+            raise ConfigError(f"{key}: {device!r} is not a device (use cpu or cuda:N)")
+        if int(device[5:]) >= count:
+            raise ConfigError(f"{key}: {device} not available (this machine has {count} CUDA "
+                              f"devices)")
+    return devices
+
+
+def check_attention(config: Config, drafter_devices: list[str]) -> None:
+    if config.model.attention == "flex" and "cpu" in drafter_devices:
+        raise ConfigError("model.attention=flex on a cpu drafter: torch 2.13 has no flex_attention "
+                          "backward on CPU; use --set model.attention=dense for CPU training")
+
+
+def memory_gib(devices: list[str]) -> float:
+    """Peak memory: the largest CUDA device's allocation, or the process's RSS on CPU."""
+    cuda = sorted({d for d in devices if d.startswith("cuda")})
+    if cuda:
+        return max(torch.cuda.max_memory_allocated(d) for d in cuda) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+# ----------------------------------------------------------------------------- attention / compile
+
+def make_attention(config: Config):
+    """(attention_fn, mask_builder, description) for the configured path."""
+    if config.model.attention == "dense":
+        return dm.dense_attention, dm.dense_dflash_mask, "dense reference attention (no compile)"
+    if config.compile.enabled:
+        flex = compile_safety.compiled_flex_attention()
+        what = "compiled flex_attention (every call under COMPILE_LOCK)"
+    else:
+        from torch.nn.attention.flex_attention import flex_attention as flex
+        what = "UNCOMPILED flex_attention (materializes the score matrix: debug only)"
+    return dm.make_flex_attention(flex), dm.flex_dflash_mask, what
+
+
+def configure_compile(config: Config, cache_dir: str) -> None:
+    compile_safety.configure_compile(cache_dir=cache_dir,
+                                     recompile_limit=config.compile.recompile_limit,
+                                     enabled=config.compile.enabled)
+
+
+# ----------------------------------------------------------------------------- batches
+
+@dataclass
+class Batch:
+    target_hidden: torch.Tensor
+    noise_ids: torch.Tensor
+    position_ids: torch.Tensor
+    mask: object              # dense bool tensor or flex BlockMask
+    labels: torch.Tensor
+    valid: torch.Tensor
+    num_blocks: int
+    tokens: int               # real (non-pad) tokens, for throughput
+
+
+def anchor_generator(seed: int, step: int, worker: int) -> torch.Generator:
+    """Anchors depend only on (seed, step, worker): a resumed run draws the same ones."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + step) * 131 + worker)
+
+
+def prepare_batch(examples, config: Config, target, device: str, mask_token_id: int,
+                  build_mask, generator: torch.Generator) -> Batch:
+    block_size, max_length = config.model.block_size, config.data.max_length
+    input_ids, attention, loss_mask = collate(examples, max_length, pad_id=0)
+    anchors, keep = dm.sample_anchors(loss_mask, config.data.num_anchors, generator)
+    noise_ids, position_ids = dm.block_inputs(input_ids, anchors, keep, block_size, mask_token_id)
+    labels, valid = dm.block_labels(input_ids, loss_mask, anchors, keep, block_size)
+    target_hidden = target.context_features(input_ids, attention, device)
+    anchors, keep = anchors.to(device), keep.to(device)
+    return Batch(target_hidden=target_hidden, noise_ids=noise_ids.to(device),
+                 position_ids=position_ids.to(device),
+                 mask=build_mask(anchors, keep, max_length, block_size),
+                 labels=labels.to(device), valid=valid.to(device),
+                 num_blocks=anchors.shape[1], tokens=int(attention.sum()))
+
+
+# ----------------------------------------------------------------------------- workers
+
+def lr_lambda(config: Config):
+    total = config.train.max_steps
+    warmup = max(1, int(config.train.warmup_ratio * total))
+    floor = config.train.min_lr_ratio
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    return factor
+
+
+class DrafterWorker:
+    """One data-parallel replica on one drafter device."""
+
+    def __init__(self, index: int, device: str, template: dm.DFlashDrafter, config: Config,
+                 embed_weight: torch.Tensor, head_weight: torch.Tensor, attention):
+        self.index, self.device, self.config = index, device, config
+        self.drafter = copy.deepcopy(template).to(device)
+        self.drafter.train()
+        frozen_dtype = _autocast_dtype(config) or torch.float32
+        self.embed_weight = embed_weight.detach().to(device, frozen_dtype)
+        self.head_weight = (self.embed_weight if head_weight.data_ptr() == embed_weight.data_ptr()
+                            else head_weight.detach().to(device, frozen_dtype))
+        self.attention = attention
+        self.params = [p for p in self.drafter.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=config.train.lr,
+                                           weight_decay=config.train.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
+
+    def _autocast(self):
+        dtype = _autocast_dtype(self.config)
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(torch.device(self.device).type, dtype=dtype)
+
+    def loss(self, batch: Batch):
+        with self._autocast():
+            noise = F.embedding(batch.noise_ids, self.embed_weight)
+            hidden = self.drafter(batch.target_hidden, noise, batch.position_ids, batch.mask,
+                                  self.attention)
+            logits = dm.draft_logits(hidden, self.head_weight, batch.num_blocks,
+                                     self.config.model.block_size)
+        return dm.dflash_loss(logits, batch.labels, batch.valid, self.config.model.gamma)
+
+    def forward_backward(self, batch: Batch) -> tuple[float, dict]:
+        """Training forward + backward (grad enabled); gradients left in .grad."""
+        compile_safety.apply_thread_settings()  # torch 2.13 keeps dynamo settings per thread
+        self.drafter.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss, stats = self.loss(batch)
+        loss.backward()
+        return loss.item(), stats
+
+    def update(self) -> None:
+        compile_safety.apply_thread_settings()
+        torch.nn.utils.clip_grad_norm_(self.params, self.config.train.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+
+    @torch.no_grad()
+    def evaluate(self, batch: Batch) -> tuple[float, dict]:
+        self.drafter.eval()
+        try:
+            loss, stats = self.loss(batch)
+        finally:
+            self.drafter.train()
+        return loss.item(), stats
+
+
+def _autocast_dtype(config: Config):
+    return {None: None, "bfloat16": torch.bfloat16, "float16": torch.float16}[config.train.autocast]
+
+
+@torch.no_grad()
+def average_gradients(workers: list[DrafterWorker]) -> None:
+    """Every replica gets the mean gradient (same bits everywhere: one sum, copied out)."""
+    if len(workers) == 1:
+        return
+    for params in zip(*(w.params for w in workers)):
+        grads = [p.grad for p in params]
+        total = grads[0].clone()
+        for grad in grads[1:]:
+            total += grad.to(total.device, non_blocking=True)
+        total /= len(grads)
+        for grad in grads:
+            grad.copy_(total, non_blocking=True)
+
+
+@torch.no_grad()
+def replica_max_diff(workers: list[DrafterWorker]) -> float:
+    first = workers[0].drafter.state_dict()
+    worst = 0.0
+    for worker in workers[1:]:
+        for name, tensor in worker.drafter.state_dict().items():
+            diff = (tensor.to(first[name].device) - first[name]).abs().max().item()
+            worst = max(worst, diff)
+    return worst
+
+
+def build_drafter_template(config: Config, target_config, mask_token_id: int) -> dm.DFlashDrafter:
+    """One initialisation (seeded) that every worker copies: replicas start identical."""
+    overrides = dict(config.model.drafter_overrides)
+    if config.model.target_layer_ids is not None:
+        overrides["target_layer_ids"] = list(config.model.target_layer_ids)
+    drafter_config = dm.create_drafter_config(
+        config.model.num_draft_layers, target_config, block_size=config.model.block_size,
+        mask_token_id=mask_token_id, **overrides)
+    torch.manual_seed(config.train.seed)
+    return dm.DFlashDrafter(drafter_config, config.model.gradient_checkpointing)
+
+
+def resolve_mask_token_id(config: Config, tokenizer, vocab_size: int) -> int:
+    if config.model.mask_token_id is not None:
+        token = config.model.mask_token_id
+    elif tokenizer.mask_token_id is not None:
+        token = tokenizer.mask_token_id
+    elif len(tokenizer) < vocab_size:
+        token = len(tokenizer)  # an unused embedding row, as DFlash's Qwen3 drafters do
+    else:
+        raise ConfigError("model.mask_token_id: the tokenizer has no mask token and no spare "
+                          "embedding row; set model.mask_token_id")
+    if not 0 <= token < vocab_size:
+        raise ConfigError(f"model.mask_token_id: {token} outside the target vocab ({vocab_size})")
+    return int(token)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def warm_up(workers: list[DrafterWorker], make_batch) -> dict:
+    """Run every shape the workers will see, on each drafter device in turn, in the main thread.
+
+    Training forward+backward with grad (the graph training needs; the incident's warm-up ran
+    under no_grad, which compiles a different one) and evaluation without grad. Gradients are
+    dropped afterwards: the replicas are unchanged.
+    """
+    shapes = [(kind, w.index) for w in workers for kind in ("train", "eval")]
+
+    def step(shape):
+        kind, index = shape
+        worker = workers[index]
+        batch = make_batch(worker)
+        if kind == "train":
+            worker.forward_backward(batch)
+            worker.optimizer.zero_grad(set_to_none=True)
+        else:
+            worker.evaluate(batch)
+
+    return compile_safety.warm_shapes(step, shapes)

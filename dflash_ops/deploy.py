@@ -1,0 +1,265 @@
+"""`invoke deploy`: ship remote_scripts/ into the container, refresh its venv, check torch and the GPUs.
+
+Round trips: one to read what the container has (file hashes computed there, venv stamp, model);
+when files changed, one SFTP put of a tar of the changed files and one host line that pushes it into
+the container and stages + swaps a release there (container_release.py); one for pip when the pinned
+requirements changed (streamed), then one to re-check torch; one to create the tiny target if asked.
+A repeat with nothing changed is one round trip and sends no file content.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import secrets
+import subprocess
+import tarfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping
+
+from . import commands, facts
+from .cli import Target
+from .errors import DflashOpsError, RemoteCommandFailed
+from .inventory import Container
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PAYLOAD = "remote_scripts"
+REQUIREMENTS = "requirements.txt"
+MANIFEST = ".dflash-manifest.json"
+REQUIREMENTS_STAMP = ".dflash-requirements.sha256"
+KEEP_RELEASES = 3  # the current release and two before it, for a quick look back or a manual rollback
+CONTAINER_RELEASE = Path(__file__).with_name("container_release.py").read_text(encoding="utf-8")
+
+# Creates or refreshes the venv; the stamp is removed first and written last, so a failed or
+# interrupted pip leaves the venv marked stale and the next deploy installs again.
+VENV_SCRIPT = ('set -e; py=$1 venv=$2 req=$3 want=$4; stamp="$venv/.dflash-requirements.sha256"; '
+               'if ! "$venv/bin/python" -c "" 2>/dev/null; then echo "venv: creating $venv with $py"; '
+               '"$py" -m venv --clear "$venv"; fi; rm -f "$stamp"; echo "venv: pip install -r $req"; '
+               '"$venv/bin/python" -m pip install --disable-pip-version-check -r "$req"; '
+               'printf "%s\\n" "$want" > "$stamp.tmp"; mv -f "$stamp.tmp" "$stamp"')
+
+
+class DeployError(DflashOpsError):
+    exit_code = 5
+
+
+# --- the local tree (pure apart from reading files) ---------------------------------------------
+
+@dataclass(frozen=True)
+class LocalFile:
+    path: Path
+    sha256: str
+    mode: int
+
+
+def payload_files(root: Path = REPO_ROOT, payload: str = PAYLOAD) -> list[str]:
+    """Files git tracks plus untracked ones it does not ignore, under payload/, without bytecode."""
+    try:
+        out = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--cached", "--others",
+                              "--exclude-standard", "--", payload],
+                             check=True, capture_output=True).stdout
+    except (OSError, subprocess.CalledProcessError) as exc:
+        raise DeployError(f"cannot list {payload}/ with git in {root}: {exc}") from None
+    names = sorted({n for n in out.decode("utf-8", "surrogateescape").split("\0") if n})
+    return [n for n in names if "__pycache__" not in n.split("/") and not n.endswith(".pyc")
+            and (root / n).is_file()]
+
+
+def local_tree(root: Path = REPO_ROOT, payload: str = PAYLOAD) -> dict[str, LocalFile]:
+    """Relative path inside the code dir -> file, hash and mode."""
+    tree = {}
+    for name in payload_files(root, payload):
+        path = root / name
+        data = path.read_bytes()
+        tree[name[len(payload) + 1:]] = LocalFile(path, hashlib.sha256(data).hexdigest(),
+                                                   0o755 if os.access(path, os.X_OK) else 0o644)
+    if not tree:
+        raise DeployError(f"nothing to deploy: {root / payload} has no files")
+    return tree
+
+
+def tree_hash(hashes: Mapping[str, str]) -> str:
+    h = hashlib.sha256()
+    for rel in sorted(hashes):
+        h.update(f"{rel}\0{hashes[rel]}\n".encode())
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class Plan:
+    tree: str
+    changed: tuple[str, ...]
+    deleted: tuple[str, ...]
+    up_to_date: bool
+
+    @property
+    def release(self) -> str:
+        return self.tree[:16]
+
+
+def make_plan(local: Mapping[str, str], code_fact: dict | None) -> Plan:
+    """Compare local hashes with what the container's code dir holds (its own hashes, computed there)."""
+    code_fact = code_fact or {}
+    remote = code_fact.get("files") or {} if code_fact.get("exists") else {}
+    tree = tree_hash(local)
+    changed = tuple(sorted(rel for rel, digest in local.items() if remote.get(rel) != digest))
+    deleted = tuple(sorted(set(remote) - set(local)))
+    up_to_date = (not changed and not deleted and bool(code_fact.get("link")) and code_fact.get("tree") == tree)
+    return Plan(tree, changed, deleted, up_to_date)
+
+
+def manifest_bytes(local: Mapping[str, LocalFile], tree: str) -> bytes:
+    return json.dumps({"tree": tree, "files": {rel: f.sha256 for rel, f in sorted(local.items())},
+                       "deployed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+                      indent=1, sort_keys=True).encode() + b"\n"
+
+
+def pack(local: Mapping[str, LocalFile], changed, manifest: bytes) -> bytes:
+    """A gzip tar of the changed files plus the new manifest (file mtimes kept: .pyc checks use them)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
+        for rel in changed:
+            f = local[rel]
+            data = f.path.read_bytes()
+            info = tarfile.TarInfo(rel)
+            info.size, info.mode, info.mtime = len(data), f.mode, int(f.path.stat().st_mtime)
+            tar.addfile(info, io.BytesIO(data))
+        info = tarfile.TarInfo(MANIFEST)
+        info.size, info.mode, info.mtime = len(manifest), 0o644, int(time.time())
+        tar.addfile(info, io.BytesIO(manifest))
+    return buf.getvalue()
+
+
+def requirements_hash(container: Container, requirements: bytes) -> str:
+    """What the venv must have been built from: the pinned requirements and the interpreter."""
+    return hashlib.sha256(container.python.encode() + b"\0" + requirements).hexdigest()
+
+
+# --- host lines (pure) ------------------------------------------------------------------------------
+
+def releases_dir(container: Container) -> str:
+    return container.paths.code.rstrip("/") + ".releases"
+
+
+def stage_line(container: Container, host_tmp: str, plan: Plan) -> str:
+    """Push the tar into the container, stage + swap the release there, always delete the host copy."""
+    ct_tmp = f"/tmp/{os.path.basename(host_tmp)}"
+    payload = {"code": container.paths.code.rstrip("/"), "releases": releases_dir(container),
+               "tarball": ct_tmp, "release": plan.release, "tree": plan.tree, "keep": KEEP_RELEASES}
+    push = commands.pct_transfer("push", container.ctid, host_tmp, ct_tmp, pct=container.host.pct)
+    stage = facts.script_line(container, CONTAINER_RELEASE, None, payload)
+    return f"{push} && {stage}; rc=$?; rm -f -- {commands.quote(host_tmp)}; exit $rc"
+
+
+def venv_line(container: Container, want: str) -> str:
+    argv = commands.sh_script(VENV_SCRIPT, container.python, container.paths.venv,
+                              f"{container.paths.code}/{REQUIREMENTS}", want)
+    return commands.pct_exec(container.ctid, argv, env=container.run_env(container.pip_env),
+                             pct=container.host.pct)
+
+
+def tiny_target_line(container: Container) -> str:
+    argv = [container.venv_python, f"{container.paths.code}/make_tiny_target.py", "--out", container.paths.model]
+    return commands.pct_exec(container.ctid, argv, env=container.run_env(), cwd=container.paths.code,
+                             pct=container.host.pct)
+
+
+# --- the task -----------------------------------------------------------------------------------
+
+@dataclass
+class DeployReport:
+    release: str
+    up_to_date: bool
+    changed: tuple[str, ...] = ()
+    deleted: tuple[str, ...] = ()
+    files_sent: int = 0
+    bytes_sent: int = 0        # file content (the tar) sent over SFTP
+    line_bytes: int = 0        # command lines sent
+    venv_updated: bool = False
+    torch: facts.TorchInfo | None = None
+    gpu_message: str = ""
+    tiny_target_created: bool = False
+    round_trips: int = 0
+    messages: list[str] = field(default_factory=list)
+
+
+def deploy(t: Target, root: Path = REPO_ROOT, echo: Callable[[str], None] | None = None) -> DeployReport:
+    """Bring the container's code, venv and (tiny) target model up to date with the local tree."""
+    ct, session = t.container, t.session
+    say = (lambda msg: None) if t.dry_run else (echo or (lambda msg: print(msg, flush=True)))
+    trips_before = session.round_trips
+    local = local_tree(root)
+    if REQUIREMENTS not in local:
+        raise DeployError(f"{PAYLOAD}/{REQUIREMENTS} is missing: the container's venv is built from it")
+    want_req = requirements_hash(ct, local[REQUIREMENTS].path.read_bytes())
+
+    sent_lines: list[str] = []
+
+    def run(line: str, **kwargs):
+        sent_lines.append(line)
+        return session.run_in(ct, line, **kwargs)
+
+    probe = facts.parse_json_line(run(facts.facts_line(ct, ("code", "venv", "model"))).stdout, "deploy")
+    plan = make_plan({rel: f.sha256 for rel, f in local.items()}, probe.get("code"))
+    report = DeployReport(release=plan.release, up_to_date=plan.up_to_date)
+
+    if plan.up_to_date:
+        say(f"code: up to date (release {plan.release}, {len(local)} files in {ct.paths.code})")
+    else:
+        data = pack(local, plan.changed, manifest_bytes(local, plan.tree))
+        host_tmp = f"/tmp/dflash-deploy-{ct.ctid}-{secrets.token_hex(6)}.tar.gz"
+        session.put_bytes(data, host_tmp)
+        run(stage_line(ct, host_tmp, plan))
+        report.changed, report.deleted = plan.changed, plan.deleted
+        report.files_sent, report.bytes_sent = len(plan.changed), len(data)
+        say(f"code: release {plan.release} is live in {ct.paths.code}: {len(plan.changed)} changed, "
+            f"{len(plan.deleted)} deleted, {len(local)} files; sent {facts.human_bytes(len(data))}")
+
+    venv = probe.get("venv") or {}
+    if not venv.get("python") or venv.get("requirements") != want_req:
+        say(f"venv: {'creating' if not venv.get('python') else 'refreshing'} {ct.paths.venv} "
+            f"(requirements {want_req[:12]} changed); pip's output follows")
+        run(venv_line(ct, want_req), stream=not t.dry_run)
+        report.venv_updated = True
+        venv = facts.parse_json_line(run(facts.facts_line(ct, ("venv",))).stdout, "deploy").get("venv", {})
+    else:
+        say(f"venv: up to date ({ct.paths.venv}, requirements {want_req[:12]})")
+
+    if not t.dry_run:
+        report.torch = facts.torch_info(venv)
+        if not report.torch.ok:
+            raise DeployError(f"{ct.label}: {report.torch.error} in {ct.paths.venv}; "
+                              f"re-run deploy, or remove {ct.paths.venv} to rebuild it")
+        ok, report.gpu_message = facts.gpu_verdict(ct, report.torch.gpus)
+        say(f"torch {report.torch.version} (CUDA {report.torch.cuda or 'none'}): {report.gpu_message}")
+        if not ok:
+            raise DeployError(f"{ct.label}: {report.gpu_message}")
+
+    if ct.tiny_target and not (probe.get("model") or {}).get("config"):
+        say(f"model: creating the tiny target in {ct.paths.model}")
+        run(tiny_target_line(ct), stream=not t.dry_run)
+        report.tiny_target_created = True
+
+    report.line_bytes = sum(len(line.encode()) for line in sent_lines)
+    report.round_trips = session.round_trips - trips_before
+    return report
+
+
+def describe(report: DeployReport) -> str:
+    """The closing line, also parsed by the tests and the benchmark."""
+    return (f"deploy: release {report.release}: files_sent={report.files_sent} bytes_sent={report.bytes_sent} "
+            f"line_bytes={report.line_bytes} round_trips={report.round_trips}"
+            f"{' (up to date)' if report.up_to_date else ''}")
+
+
+def parse_describe(text: str) -> dict:
+    """The numbers from `describe`'s line in a task's output (for tests and the benchmark)."""
+    for line in text.splitlines():
+        if line.startswith("deploy: release "):
+            fields = dict(part.split("=", 1) for part in line.split() if "=" in part)
+            return {k: int(v) for k, v in fields.items()}
+    raise RemoteCommandFailed("no deploy summary line in the output")

@@ -74,10 +74,30 @@ def _report(result) -> None:
     print(result.describe())
 
 
+# --- deploy, doctor, compile caches ---------------------------------------------------------------
+@op_task
+def deploy(c, ct=None, dry_run=False, inventory=None):
+    """Ship remote_scripts/ into the container, refresh its venv if the requirements changed, check torch.
+
+    Only files whose sha256 differs from the container's copy travel, as one tar over SFTP; the
+    container stages a new release from the current one plus those files and swaps the
+    `paths.code` symlink to it atomically, so an interrupted deploy leaves the previous release
+    whole (the last three releases are kept). The venv (`paths.venv`) is created or refreshed with
+    pip only when remote_scripts/requirements.txt changed, with pip's output shown. Ends by checking
+    that torch imports in the container and sees the GPUs the inventory's roles name, and creates
+    the tiny target model when the inventory asks for one. Nothing changed: one round trip.
+    """
+    from dflash_ops import deploy as deploy_mod
+
+    report = deploy_mod.deploy(cli.target(c, ct, inventory, dry_run))
+    if not dry_run:
+        print(deploy_mod.describe(report))
+
+
 sandbox_ns = Collection("sandbox")
 sandbox_ns.add_task(sandbox_up, "up")
 sandbox_ns.add_task(sandbox_down, "down")
 sandbox_ns.add_task(sandbox_status, "status")
 
-ns = Collection(trust_host, sandbox_ns)
+ns = Collection(trust_host, sandbox_ns, deploy)
 ns.configure({"dflash": {"inventory": None}})

@@ -20,12 +20,13 @@ from .inventory import Container, Inventory, load_inventory
 from .transport import HostSession
 
 # Options that mean the same thing for every task of one invocation, with their "not given" value.
-SHARED_OPTIONS = {"ct": None, "inventory": None, "dry_run": False, "group": None}
+SHARED_OPTIONS = {"ct": None, "inventory": None, "dry_run": False, "group": None, "run": None}
 COMMON_HELP = {
     "ct": "container id(s), e.g. 200 or 200,201 (default: the inventory's default_container)",
     "inventory": "inventory YAML (default: $INVOKE_DFLASH_INVENTORY or inventory/production.yaml)",
     "dry_run": "print the exact host command lines and connect to nothing",
     "group": "an inventory group of containers",
+    "run": "run name (default: the latest run); given once, it applies to every task of the invocation",
 }
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import atexit
 import functools
 import inspect
+import os
+import sys
 from dataclasses import dataclass
 
 import invoke
@@ -81,6 +83,11 @@ def session_stats() -> dict:
 
 @atexit.register
 def _close_sessions() -> None:
+    # DFLASH_OPS_STATS=1: how many SSH connections and round trips this invocation made, per host.
+    if os.environ.get("DFLASH_OPS_STATS") and _SESSIONS:
+        for name, counts in session_stats().items():
+            print(f"ssh stats: {name}: {counts['connections']} connection(s), {counts['round_trips']} round trip(s)",
+                  file=sys.stderr)
     for s in _SESSIONS.values():
         s.close()
     _SESSIONS.clear()

@@ -94,10 +94,39 @@ def deploy(c, ct=None, dry_run=False, inventory=None):
         print(deploy_mod.describe(report))
 
 
+@op_task
+def doctor(c, ct=None, dry_run=False, inventory=None):
+    """Check the container is ready to train: one line per check, the fix for each that fails.
+
+    One round trip gathers everything: container running, GPUs seen by nvidia-smi against the
+    inventory's roles, torch and CUDA versions and the GPUs torch sees, the venv (python runs,
+    built from the current requirements), the deployed code against the local remote_scripts/,
+    the model directory and its config (a multimodal config's text part), free space in /dev/shm
+    and in the runs directory, and the compile caches' size. Exits non-zero if any check fails.
+    """
+    from dflash_ops import doctor as doctor_mod
+
+    doctor_mod.doctor(cli.target(c, ct, inventory, dry_run))
+
+
+@op_task(help={"force": "clean even while a run is alive (its compile caches disappear under it)"})
+def clean_cache(c, force=False, ct=None, dry_run=False, inventory=None):
+    """Remove the container's compile caches (inductor, triton, torch extensions) and say what was freed.
+
+    The directories are the inventory's `paths.caches`. Refused while a run is alive (it holds
+    the runs lock and uses the caches) unless --force; the next warm-up fills them again.
+    """
+    from dflash_ops import caches
+
+    freed = caches.clean_cache(cli.target(c, ct, inventory, dry_run), force=force)
+    if not dry_run:
+        print(caches.describe(freed))
+
+
 sandbox_ns = Collection("sandbox")
 sandbox_ns.add_task(sandbox_up, "up")
 sandbox_ns.add_task(sandbox_down, "down")
 sandbox_ns.add_task(sandbox_status, "status")
 
-ns = Collection(trust_host, sandbox_ns, deploy)
+ns = Collection(trust_host, sandbox_ns, deploy, doctor, clean_cache)
 ns.configure({"dflash": {"inventory": None}})

@@ -5,9 +5,12 @@ so it uses the standard library only and runs on Python >= 3.8. Its one argument
 it prints one JSON object. Parsing lives on the local side (dflash_ops.doctor / deploy / caches).
 
     python -c "$(cat container_facts.py)" facts '{"code": ..., "want": [...]}'
-    python -c "$(cat container_facts.py)" clean-caches '{"caches": {...}, "runs": ..., "force": false}'
+    python -c "$(cat container_facts.py)" clean-caches '{"caches": {...}, "lock": ..., "force": false}'
+
+"A run is alive" is jobs.py's fact: some process holds `<paths.runs>/.lock` (flock).
 """
 
+import fcntl
 import hashlib
 import json
 import os
@@ -122,28 +125,32 @@ def dir_usage(path):
     return {"exists": True, "bytes": size, "files": files}
 
 
-def alive_runs(runs):
-    """Runs whose `<runs>/<name>/pid` names a live (non-zombie) process and that have no exit_code."""
-    alive = []
-    if not os.path.isdir(runs):
-        return alive
-    for name in sorted(os.listdir(runs)):
-        run = os.path.join(runs, name)
-        try:
-            with open(os.path.join(run, "pid")) as f:
-                pid = int(f.read().split()[0])
-        except (OSError, ValueError, IndexError):
-            continue
-        if os.path.exists(os.path.join(run, "exit_code")):
-            continue
-        try:
-            with open("/proc/%d/stat" % pid) as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if state != "Z":
-            alive.append({"run": name, "pid": pid})
-    return alive
+def holds_lock(fd):
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+
+
+def current_run(current):
+    try:
+        with open(current) as f:
+            return f.read().strip() or "?"
+    except OSError:
+        return "?"
+
+
+def alive_run(lock, current):
+    """The alive run's name, or None. A run is alive while its processes hold the runs lock (jobs.py)."""
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except OSError:
+        return None  # no lock file: no run was ever launched here
+    try:
+        return None if holds_lock(fd) else current_run(current)
+    finally:
+        os.close(fd)  # releases the lock if we took it
 
 
 def facts(args):
@@ -163,12 +170,16 @@ def facts(args):
     if "caches" in want:
         out["caches"] = {name: dict(dir_usage(path), path=path) for name, path in sorted(args["caches"].items())}
     if "runs" in want:
-        out["alive"] = alive_runs(args["runs"])
+        out["alive"] = alive_run(args["lock"], args["current"])
     return out
 
 
 def clean_caches(args):
-    alive = alive_runs(args["runs"])
+    """Remove the caches while holding the runs lock, so no run can start meanwhile; refuse if one is alive."""
+    fd = None
+    if os.path.isdir(os.path.dirname(args["lock"])):
+        fd = os.open(args["lock"], os.O_CREAT | os.O_RDWR, 0o644)
+    alive = None if fd is None or holds_lock(fd) else current_run(args["current"])
     if alive and not args.get("force"):
         return {"refused": alive}
     freed = {}

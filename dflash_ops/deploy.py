@@ -23,7 +23,7 @@ from typing import Callable, Mapping
 
 from . import commands, facts
 from .cli import Target
-from .errors import DflashOpsError, RemoteCommandFailed
+from .errors import DflashOpsError
 from .inventory import Container
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -262,4 +262,4 @@ def parse_describe(text: str) -> dict:
         if line.startswith("deploy: release "):
             fields = dict(part.split("=", 1) for part in line.split() if "=" in part)
             return {k: int(v) for k, v in fields.items()}
-    raise RemoteCommandFailed("no deploy summary line in the output")
+    raise ValueError("no deploy summary line in the output")

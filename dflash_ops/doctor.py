@@ -1,0 +1,204 @@
+"""`invoke doctor`: preflight of one container in one round trip, one line per check, the fix when red.
+
+The facts come from container_facts.py (one `pct exec`); `checks()` turns them into verdicts and is
+pure, so it is unit-tested on recorded facts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+from rich.console import Console
+from rich.table import Table
+
+from . import deploy, facts
+from .cli import Target
+from .errors import ConnectError, ContainerError, DflashOpsError
+from .inventory import Container
+
+MIN_FREE_SHM = 256 << 20    # NCCL and data-loader workers use /dev/shm beside the model kept there
+MIN_FREE_RUNS = 1 << 30     # room for logs and at least a small checkpoint
+
+
+class DoctorFailed(DflashOpsError):
+    exit_code = 1
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+
+
+@dataclass(frozen=True)
+class Local:
+    """What the container is compared with: the local tree's hashes and the requirements' hash."""
+    hashes: Mapping[str, str]
+    requirements: str | None
+
+
+def local_state(container: Container, root: Path = deploy.REPO_ROOT) -> Local:
+    tree = deploy.local_tree(root)
+    req = tree.get(deploy.REQUIREMENTS)
+    want = deploy.requirements_hash(container, req.path.read_bytes()) if req else None
+    return Local({rel: f.sha256 for rel, f in tree.items()}, want)
+
+
+# --- verdicts (pure) --------------------------------------------------------------------------------
+
+def gpu_check(ct: Container, fact: dict) -> Check:
+    need = facts.gpus_needed(ct)
+    if not fact.get("smi"):
+        if need == 0:
+            return Check("GPUs (nvidia-smi)", True, "no nvidia-smi in the container; the roles use CPU only")
+        return Check("GPUs (nvidia-smi)", False, "nvidia-smi not found in the container",
+                     "install the NVIDIA userspace driver in the container, the same version as the host's")
+    if fact.get("rc") != 0:
+        return Check("GPUs (nvidia-smi)", False, f"nvidia-smi failed: {fact.get('err') or fact.get('rc')}",
+                     "the container's userspace driver must match the host's kernel driver; check /dev/nvidia* "
+                     "passthrough in the container's LXC config")
+    gpus = fact.get("gpus") or []
+    names = sorted({g[1] for g in gpus if len(g) > 1})
+    driver = next((g[3] for g in gpus if len(g) > 3), "?")
+    detail = f"{len(gpus)} visible ({', '.join(names) or '-'}; driver {driver}), the roles need {need}"
+    if len(gpus) < need:
+        return Check("GPUs (nvidia-smi)", False, detail,
+                     "pass the GPUs into the container (lxc.cgroup2.devices.allow + lxc.mount.entry /dev/nvidia*)"
+                     " or fix roles in the inventory")
+    return Check("GPUs (nvidia-smi)", True, detail)
+
+
+def torch_check(ct: Container, venv_fact: dict) -> Check:
+    info = facts.torch_info(venv_fact)
+    if not info.ok:
+        return Check("torch / CUDA", False, info.error, "run `invoke deploy` (it rebuilds the venv if needed)")
+    ok, message = facts.gpu_verdict(ct, info.gpus)
+    return Check("torch / CUDA", ok, f"torch {info.version}, CUDA {info.cuda or 'none'}: {message}",
+                 "" if ok else "a torch build for this CUDA and the GPUs passed through; then `invoke deploy`")
+
+
+def venv_check(ct: Container, fact: dict, local: Local) -> Check:
+    if not fact.get("python"):
+        return Check("venv", False, f"no python in {ct.paths.venv}", "run `invoke deploy` to create it")
+    if local.requirements is None:
+        return Check("venv", False, f"local {deploy.PAYLOAD}/{deploy.REQUIREMENTS} is missing",
+                     "restore it in your checkout")
+    if fact.get("requirements") != local.requirements:
+        stamp = (fact.get("requirements") or "none")[:12]
+        return Check("venv", False, f"{ct.paths.venv} was built from other requirements ({stamp}, local "
+                     f"{local.requirements[:12]})", "run `invoke deploy` to refresh it")
+    return Check("venv", True, f"{ct.paths.venv}: python runs, requirements {local.requirements[:12]} current")
+
+
+def code_check(ct: Container, fact: dict, local: Local) -> Check:
+    if not fact.get("exists"):
+        return Check("deployed code", False, f"{ct.paths.code} does not exist", "run `invoke deploy`")
+    plan = deploy.make_plan(local.hashes, fact)
+    if plan.up_to_date:
+        return Check("deployed code", True, f"{ct.paths.code} = local tree (release {plan.release}, "
+                     f"{len(local.hashes)} files)")
+    differ = [*plan.changed, *plan.deleted]
+    shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
+    detail = (f"{len(plan.changed)} file(s) differ or are missing, {len(plan.deleted)} extra: {shown}"
+              if differ else "files match but the release layout or manifest is not deploy's")
+    return Check("deployed code", False, detail, "run `invoke deploy`")
+
+
+def model_check(ct: Container, fact: dict) -> Check:
+    path = ct.paths.model
+    fix = ("run `invoke deploy` (the inventory asks for the tiny target)" if ct.tiny_target
+           else f"copy the model into {path} on the container (it must hold config.json and the weights)")
+    if not fact.get("dir"):
+        return Check("model", False, f"{path} does not exist", fix)
+    if not fact.get("config"):
+        return Check("model", False, f"{path} has no config.json", fix)
+    if fact.get("error"):
+        return Check("model", False, f"{path}/config.json is unreadable: {fact['error']}", fix)
+    kind = fact.get("model_type") or "?"
+    if fact.get("multimodal"):
+        kind += f" -> text config {fact.get('text_model_type') or '?'}"
+    return Check("model", True, f"{path}: {kind}, hidden size {fact.get('hidden_size')}, "
+                 f"{fact.get('layers')} layers")
+
+
+def space_check(name: str, fact: dict, minimum: int) -> Check:
+    free = fact.get("free")
+    detail = f"{facts.human_bytes(free)} free of {facts.human_bytes(fact.get('total'))} ({fact.get('path')})"
+    if free is None or free < minimum:
+        return Check(name, False, detail, f"free at least {facts.human_bytes(minimum)}: remove old runs "
+                     f"or checkpoints, or grow the mount")
+    return Check(name, True, detail)
+
+
+def cache_check(caches: dict) -> Check:
+    parts = [f"{name} {facts.human_bytes(c.get('bytes'))} / {c.get('files', 0)} files" if c.get("exists")
+             else f"{name} empty" for name, c in sorted(caches.items())]
+    return Check("compile caches", True, "; ".join(parts) or "none configured")
+
+
+def checks(ct: Container, found: dict, local: Local) -> list[Check]:
+    """Verdicts from one facts answer (the container answered, so it is running)."""
+    run = found.get("alive")
+    return [
+        Check("container running", True, f"{ct.label} (hostname {found.get('hostname', '?')})"),
+        gpu_check(ct, found.get("gpus") or {}),
+        torch_check(ct, found.get("venv") or {}),
+        venv_check(ct, found.get("venv") or {}, local),
+        code_check(ct, found.get("code") or {}, local),
+        model_check(ct, found.get("model") or {}),
+        space_check("free /dev/shm", (found.get("space") or {}).get("shm") or {}, MIN_FREE_SHM),
+        space_check("free runs dir", (found.get("space") or {}).get("runs") or {}, MIN_FREE_RUNS),
+        cache_check(found.get("caches") or {}),
+        Check("runs", True, f"run {run!r} is alive" if run else "no run alive"),
+    ]
+
+
+# --- the task -----------------------------------------------------------------------------------
+
+def gather(t: Target, root: Path = deploy.REPO_ROOT) -> list[Check]:
+    """One round trip; a host or container that does not answer is itself the failed check."""
+    ct = t.container
+    local = local_state(ct, root)
+    try:
+        result = t.session.run_in(ct, facts.facts_line(ct, facts.ALL_FACTS))
+    except ConnectError as exc:
+        return [Check("host reachable", False, str(exc), "check the host's address, key and known_hosts "
+                      "in the inventory")]
+    except ContainerError as exc:
+        return [Check("host reachable", True, f"{ct.host.user}@{ct.host.address}:{ct.host.port}"),
+                Check("container running", False, str(exc), f"`pct start {ct.ctid}` on {ct.host.name}, "
+                      "or fix the inventory's container id")]
+    if t.dry_run:
+        return []
+    found = facts.parse_json_line(result.stdout, "doctor")
+    return [Check("host reachable", True, f"{ct.host.user}@{ct.host.address}:{ct.host.port}"),
+            *checks(ct, found, local)]
+
+
+def render(ct: Container, results: list[Check], console: Console | None = None) -> None:
+    table = Table(title=f"doctor: {ct.label}", show_lines=False)
+    for column in ("", "check", "result", "fix"):
+        table.add_column(column, overflow="fold")
+    for c in results:
+        mark = "[green]ok[/green]" if c.ok else "[bold red]FAIL[/bold red]"
+        table.add_row(mark, c.name, c.detail, c.fix)
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # logs and pipes: one line per check, not wrapped at 80 columns
+            console = Console(width=240)
+    console.print(table)
+
+
+def doctor(t: Target, root: Path = deploy.REPO_ROOT, console: Console | None = None) -> list[Check]:
+    results = gather(t, root)
+    if t.dry_run:
+        return results
+    render(t.container, results, console)
+    failed = [c.name for c in results if not c.ok]
+    if failed:
+        raise DoctorFailed(f"doctor: {len(failed)} check(s) failed on {t.container.label}: {', '.join(failed)}")
+    return results

@@ -1,0 +1,466 @@
+"""The embedded Proxmox host: a real OpenSSH sshd on 127.0.0.1 and a `pct` stand-in, for laptops and CI.
+
+Each sandbox host is a directory under the state dir with its own sshd (own port, own host key,
+root by key only) whose sessions find `pct` (dflash_ops/sandbox/pct) on PATH. Its containers are
+bubblewrap namespaces (own pid/mount/UTS/IPC, own /root, /tmp, /var, /dev/shm and hostname; the
+host's system dirs read-only). The network is the host's: containers and hosts reach each other
+on loopback, which multi-node tests rely on.
+
+    <state>/client/id_ed25519      client key, authorized on every host
+    <state>/known_hosts            every host key pinned ([127.0.0.1]:port)
+    <state>/pip-cache/             pip cache shared by all containers (/var/cache/pip-shared)
+    <state>/pve1/                  one host: sshd_config, sshd.pid, port, host.json, bin/pct,
+                                   nodes/pve1/lxc/<id>.conf, ct/<id>/{root,var,tmp,init.json}
+"""
+
+from __future__ import annotations
+
+import configparser
+import copy
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from .errors import DflashOpsError
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_INVENTORY = REPO / "inventory" / "sandbox.yaml"
+PCT_SOURCE = Path(__file__).with_name("sandbox") / "pct"
+SSHD = "/usr/sbin/sshd"
+TOOLS = {SSHD: "openssh-server", "/usr/bin/ssh-keygen": "openssh-client", "/usr/bin/bwrap": "bubblewrap",
+         "/usr/bin/nsenter": "util-linux"}
+PIP_CACHE_MOUNT = "/var/cache/pip-shared"  # where pct binds <state>/pip-cache in every container
+VISIBLE_IN_CONTAINER = ("/usr/", "/etc/", "/opt/")  # host paths a container can read (pct's SYSTEM_DIRS)
+MARKER = "DFLASH_SANDBOX_HOST"  # env of every host-side process of a sandbox host; down() finds them by it
+START_TIMEOUT = 10.0
+
+CONTAINER_DEFAULTS = {
+    "roles": {"target": ["cpu"], "drafter": ["cpu", "cpu", "cpu"]},
+    "python": "/usr/bin/python3",
+    "tiny_target": True,
+    "paths": {
+        "venv": "/root/venv",
+        "code": "/root/dflash",
+        "runs": "/root/runs",
+        "model": "/dev/shm/tiny-qwen3",
+        "caches": {
+            "inductor": "/root/.cache/dflash/inductor",
+            "triton": "/root/.cache/dflash/triton",
+            "torch_extensions": "/root/.cache/dflash/torch_extensions",
+        },
+    },
+    "train_config": "configs/tiny-cpu.yaml",
+    "env": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "CUDA_MODULE_LOADING": "LAZY",
+            "OMP_NUM_THREADS": "2"},
+    "secret_env": [],
+}
+
+
+class SandboxError(DflashOpsError):
+    """The embedded host could not be brought up, inspected or taken down."""
+
+    exit_code = 7
+
+
+@dataclass(frozen=True)
+class HostState:
+    name: str  # also the Proxmox node name
+    dir: Path
+    port: int | None
+    sshd_pid: int | None  # None: sshd is not running
+    pct: Path
+    containers: dict  # vmid -> "running" | "stopped"
+
+
+@dataclass(frozen=True)
+class Sandbox:
+    state_dir: Path
+    inventory: Path | None
+    key: Path
+    known_hosts: Path
+    hosts: tuple  # of HostState
+    changed: tuple = ()  # what up()/down() did; empty when everything already was as asked
+
+    @property
+    def port(self) -> int | None:
+        return self.hosts[0].port if self.hosts else None
+
+    @property
+    def pct(self) -> Path | None:
+        return self.hosts[0].pct if self.hosts else None
+
+    def host(self, name: str) -> HostState:
+        return next(h for h in self.hosts if h.name == name)
+
+    def ssh_argv(self, command: str, host: str = "pve1") -> list[str]:
+        """OpenSSH argv running `command` on a sandbox host; the host key must match the pinned one."""
+        return ["ssh", "-F", "/dev/null", "-i", str(self.key), "-p", str(self.host(host).port),
+                "-o", f"UserKnownHostsFile={self.known_hosts}", "-o", "GlobalKnownHostsFile=/dev/null",
+                "-o", "StrictHostKeyChecking=yes", "-o", "IdentitiesOnly=yes", "-o", "BatchMode=yes",
+                "-o", "LogLevel=ERROR", "root@127.0.0.1", command]
+
+    def describe(self) -> str:
+        lines = [f"state: {self.state_dir}", f"inventory: {self.inventory or '-'}"]
+        if not self.hosts:
+            lines.append("no sandbox host (run sandbox.up)")
+        for h in self.hosts:
+            sshd = f"sshd pid {h.sshd_pid} on 127.0.0.1:{h.port}" if h.sshd_pid else "sshd stopped"
+            lines.append(f"{h.name}: {sshd}, pct {h.pct}")
+            lines += [f"  {vmid}  {state}" for vmid, state in sorted(h.containers.items())]
+        return "\n".join(lines)
+
+
+def default_state_dir() -> Path:
+    env = os.environ.get("DFLASH_SANDBOX_STATE")
+    return Path(env) if env else Path.home() / ".local" / "state" / "dflash-ops" / "sandbox"
+
+
+# --- public API -------------------------------------------------------------------------------
+
+def up(state_dir=None, containers=(200,), hosts=1, *, stopped=(), inventory_path=DEFAULT_INVENTORY,
+       shm_size="1g") -> Sandbox:
+    """Bring the sandbox up: `hosts` sshd hosts, each with its containers; idempotent.
+
+    Host 1 gets `containers` (started) and `stopped` (created, left stopped); host k gets the same
+    ids shifted by (k-1) * span so ids stay unique (containers=(200,), hosts=2: 200 and 201).
+    Writes the inventory (None: none) only when its content changes.
+    """
+    _require_host_tools()
+    state = Path(state_dir or default_state_dir()).resolve()
+    changed = []
+    key = _ensure_key(state / "client" / "id_ed25519", changed)
+    (state / "pip-cache").mkdir(exist_ok=True)
+    Path("/run/sshd").mkdir(mode=0o755, parents=True, exist_ok=True)  # sshd's privilege-separation dir
+    for index, (run_ids, stop_ids) in enumerate(_layout(containers, stopped, hosts), start=1):
+        _host_up(state, f"pve{index}", key, run_ids, stop_ids, shm_size, changed)
+    sandbox = _inspect(state, inventory_path)
+    if _write_if_changed(sandbox.known_hosts, _known_hosts(sandbox)):
+        changed.append("known_hosts written")
+    if inventory_path is not None:
+        if _write_if_changed(Path(inventory_path), yaml.safe_dump(inventory(sandbox), sort_keys=False)):
+            changed.append(f"inventory written: {inventory_path}")
+    _write_if_changed(state / "inventory-path", str(inventory_path or ""))
+    return Sandbox(**{**sandbox.__dict__, "changed": tuple(changed)})
+
+
+def down(state_dir=None, *, purge=False) -> Sandbox:
+    """Stop every container and sshd of the sandbox, and any process its sessions left on the host."""
+    state = Path(state_dir or default_state_dir()).resolve()
+    changed = []
+    for host in _inspect(state).hosts:
+        for vmid, ct_state in sorted(host.containers.items()):
+            if ct_state == "running":
+                _pct(host, "stop", str(vmid))
+                changed.append(f"{host.name}: ct {vmid} stopped")
+        killed = _kill_host_processes(host)
+        if host.sshd_pid or killed:
+            changed.append(f"{host.name}: sshd and {len(killed)} process(es) stopped")
+    if purge and state.exists():
+        shutil.rmtree(state)
+        changed.append(f"removed {state}")
+    result = _inspect(state)
+    return Sandbox(**{**result.__dict__, "changed": tuple(changed)})
+
+
+def status(state_dir=None) -> Sandbox:
+    """What runs now: each host's sshd pid and port, each container's state."""
+    return _inspect(Path(state_dir or default_state_dir()).resolve())
+
+
+# --- hosts ------------------------------------------------------------------------------------
+
+def _require_host_tools():
+    if os.geteuid() != 0:
+        raise SandboxError("the embedded host needs root (sshd, bubblewrap namespaces): run it as root")
+    missing = sorted({pkg for tool, pkg in TOOLS.items() if not os.access(tool, os.X_OK)})
+    if missing:
+        raise SandboxError(f"missing tools for the embedded host: apt-get install {' '.join(missing)}")
+
+
+def _layout(containers, stopped, hosts):
+    ids = [int(i) for i in (*containers, *stopped)]
+    if hosts < 1 or not ids or len(set(ids)) != len(ids):
+        raise SandboxError(f"bad sandbox layout: hosts={hosts}, containers={containers}, stopped={stopped}")
+    span = max(ids) - min(ids) + 1
+    return [([int(i) + k * span for i in containers], [int(i) + k * span for i in stopped])
+            for k in range(hosts)]
+
+
+def _host_up(state, name, key, run_ids, stop_ids, shm_size, changed):
+    hdir = state / name
+    (hdir / "bin").mkdir(parents=True, exist_ok=True)
+    _ensure_key(hdir / "ssh_host_ed25519_key", changed)
+    _write_if_changed(hdir / "authorized_keys", Path(f"{key}.pub").read_text())
+    _write_if_changed(hdir / "host.json", json.dumps({"node": name, "pip_cache": str(state / "pip-cache")}) + "\n")
+    pct_text = PCT_SOURCE.read_text().replace("#!/usr/bin/python3", f"#!{_host_python()}", 1)
+    if _write_if_changed(hdir / "bin" / "pct", pct_text):
+        changed.append(f"{name}: pct installed")
+    (hdir / "bin" / "pct").chmod(0o755)
+    host = _host_state(hdir)
+    if not host.sshd_pid:
+        _start_sshd(hdir, name)
+        changed.append(f"{name}: sshd started")
+        host = _host_state(hdir)
+    lxc = hdir / "nodes" / name / "lxc"
+    lxc.mkdir(parents=True, exist_ok=True)
+    for vmid in (*run_ids, *stop_ids):
+        conf = lxc / f"{vmid}.conf"
+        if not conf.exists():
+            conf.write_text(_container_conf(vmid, shm_size))
+            changed.append(f"{name}: ct {vmid} created")
+    host = _host_state(hdir)
+    for vmid in run_ids:
+        if host.containers.get(vmid) != "running":
+            _pct(host, "start", str(vmid))
+            changed.append(f"{name}: ct {vmid} started")
+
+
+def _host_python() -> str:
+    """pct runs on the host outside any venv: the system python, else this interpreter."""
+    return "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else os.path.realpath(sys.executable)
+
+
+def _container_conf(vmid, shm_size) -> str:
+    # Proxmox keys; the shm size is the usual LXC mount entry for a bigger /dev/shm.
+    return (f"arch: amd64\ncores: 2\nhostname: ct{vmid}\nmemory: 4096\nostype: debian\n"
+            f"rootfs: sandbox:ct/{vmid}\nswap: 0\n"
+            f"lxc.mount.entry: tmpfs dev/shm tmpfs size={shm_size},nosuid,nodev,create=dir 0 0\n")
+
+
+def _sshd_config(hdir: Path, port: int) -> str:
+    path = f"{hdir}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+    return f"""# Generated by dflash_ops.sandbox: the embedded Proxmox host {hdir.name}.
+Port {port}
+ListenAddress 127.0.0.1
+AddressFamily inet
+HostKey {hdir}/ssh_host_ed25519_key
+PidFile {hdir}/sshd.pid
+AuthorizedKeysFile {hdir}/authorized_keys
+AllowUsers root
+PermitRootLogin prohibit-password
+PubkeyAuthentication yes
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+UsePAM no
+StrictModes no
+PermitUserEnvironment no
+UseDNS no
+PrintMotd no
+PrintLastLog no
+X11Forwarding no
+MaxStartups 64
+MaxSessions 64
+Subsystem sftp internal-sftp
+# pct on every session's PATH; the marker lets down() find whatever a session left running.
+SetEnv "PATH={path}" "{MARKER}={hdir}"
+"""
+
+
+def _start_sshd(hdir: Path, name: str):
+    port = _read_int(hdir / "port")
+    if port is None or not _port_free(port):  # keep the old port (and inventory) when we can
+        port = _free_port()
+    (hdir / "port").write_text(f"{port}\n")
+    config = hdir / "sshd_config"
+    config.write_text(_sshd_config(hdir, port))
+    check = subprocess.run([SSHD, "-t", "-f", str(config)], capture_output=True, text=True)
+    if check.returncode:
+        raise SandboxError(f"{name}: sshd refused its config: {check.stderr.strip()}")
+    (hdir / "sshd.pid").unlink(missing_ok=True)
+    log = hdir / "sshd.log"
+    env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8", MARKER: str(hdir)}
+    proc = subprocess.Popen([SSHD, "-D", "-f", str(config), "-E", str(log)], env=env, start_new_session=True,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _CHILDREN[proc.pid] = proc
+    deadline = time.monotonic() + START_TIMEOUT
+    while _read_int(hdir / "sshd.pid") != proc.pid:  # sshd writes its pid file once it listens
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            tail = log.read_text().strip().splitlines()[-1:] if log.exists() else []
+            raise SandboxError(f"{name}: sshd did not start on 127.0.0.1:{port}: {' '.join(tail) or 'no log'}")
+        time.sleep(0.01)
+
+
+_CHILDREN: dict = {}  # sshd processes started by this process, reaped by down() (no zombies in ps)
+
+
+def _host_state(hdir: Path) -> HostState:
+    pid = _read_int(hdir / "sshd.pid")
+    if pid is not None and f"{hdir}/sshd_config" not in _cmdline(pid):
+        pid = None  # stale pid file, or the pid now belongs to someone else
+    pct = hdir / "bin" / "pct"
+    containers = {}
+    if pct.exists() and (hdir / "nodes").exists():
+        containers = _parse_pct_list(_pct_run(pct, "list").stdout)
+    return HostState(name=hdir.name, dir=hdir, port=_read_int(hdir / "port"), sshd_pid=pid, pct=pct,
+                     containers=containers)
+
+
+def _parse_pct_list(text: str) -> dict:
+    """`pct list` table -> {vmid: status}."""
+    rows = [line.split() for line in text.splitlines()[1:] if line.strip()]
+    return {int(row[0]): row[1] for row in rows}
+
+
+def _pct_run(pct: Path, *args):
+    return subprocess.run([str(pct), *args], capture_output=True, text=True)
+
+
+def _pct(host: HostState, *args):
+    result = _pct_run(host.pct, *args)
+    if result.returncode:
+        raise SandboxError(f"{host.name}: pct {' '.join(args)} failed: {result.stderr.strip()}")
+    return result
+
+
+def _inspect(state: Path, inventory_path=None) -> Sandbox:
+    if inventory_path is None and (state / "inventory-path").exists():
+        inventory_path = (state / "inventory-path").read_text().strip() or None
+    hdirs = sorted((p.parent for p in state.glob("pve*/host.json")), key=lambda p: int(p.name[3:]))
+    return Sandbox(state_dir=state, inventory=Path(inventory_path) if inventory_path else None,
+                   key=state / "client" / "id_ed25519", known_hosts=state / "known_hosts",
+                   hosts=tuple(_host_state(h) for h in hdirs))
+
+
+def _kill_host_processes(host: HostState) -> list[int]:
+    """Kill sshd and every process carrying this host's marker (sessions, pct, jobs left on the host)."""
+    needle = f"{MARKER}={host.dir}".encode()
+    mine = os.getpid()
+    victims = [pid for pid in _all_pids() if pid != mine and needle in _environ(pid).split(b"\0")]
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for pid in victims:
+        proc = _CHILDREN.pop(pid, None)
+        if proc is not None:
+            proc.wait()
+    deadline = time.monotonic() + START_TIMEOUT
+    while any(_alive(pid) for pid in victims) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (host.dir / "sshd.pid").unlink(missing_ok=True)
+    return victims
+
+
+# --- inventory --------------------------------------------------------------------------------
+
+def inventory(sandbox: Sandbox) -> dict:
+    """The inventory (docs/design.md schema) that points the tasks at this sandbox."""
+    hosts, containers = {}, {}
+    for h in sandbox.hosts:
+        hosts[h.name] = {"address": "127.0.0.1", "port": h.port, "user": "root", "key": str(sandbox.key),
+                         "known_hosts": str(sandbox.known_hosts), "jump": None, "node": h.name,
+                         "pct": str(h.pct)}
+        for vmid in sorted(h.containers):
+            containers[vmid] = {"host": h.name, "name": f"ct{vmid}", **copy.deepcopy(CONTAINER_DEFAULTS),
+                                "pip_env": host_pip_env()}
+    return {"default_container": min(containers) if containers else 200, "hosts": hosts,
+            "containers": containers, "groups": {"all": sorted(containers)}}
+
+
+def host_pip_env() -> dict:
+    """pip settings for containers: this host's indexes and wheel dirs (those a container can see)
+    plus the shared cache, so `pip install torch` in a fresh venv needs no download twice."""
+    config = configparser.ConfigParser()
+    config.read(["/etc/pip.conf", "/etc/xdg/pip/pip.conf", os.path.expanduser("~/.config/pip/pip.conf"),
+                 os.path.expanduser("~/.pip/pip.conf")])
+    env = {}
+    for option in ("index-url", "extra-index-url", "find-links"):
+        name = "PIP_" + option.upper().replace("-", "_")
+        value = os.environ.get(name) or config.get("global", option, fallback="")
+        visible = [v for v in value.split() if _visible_in_container(v)]
+        if visible:
+            env[name] = " ".join(visible)
+    env["PIP_CACHE_DIR"] = PIP_CACHE_MOUNT
+    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    return env
+
+
+def _visible_in_container(location: str) -> bool:
+    path = location.removeprefix("file://")
+    return not path.startswith("/") or path.startswith(VISIBLE_IN_CONTAINER)
+
+
+def _known_hosts(sandbox: Sandbox) -> str:
+    lines = []
+    for h in sandbox.hosts:
+        kind, blob = (h.dir / "ssh_host_ed25519_key.pub").read_text().split()[:2]
+        lines.append(f"[127.0.0.1]:{h.port} {kind} {blob}\n")
+    return "".join(lines)
+
+
+# --- small helpers ----------------------------------------------------------------------------
+
+def _ensure_key(path: Path, changed) -> Path:
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["/usr/bin/ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"dflash-sandbox {path.name}",
+                        "-f", str(path)], check=True, stdin=subprocess.DEVNULL)
+        changed.append(f"key generated: {path}")
+    return path
+
+
+def _write_if_changed(path: Path, text: str) -> bool:
+    if path.exists() and path.read_text() == text:
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return True
+
+
+def _read_int(path: Path):
+    try:
+        return int(path.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def _all_pids():
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def _read_proc(pid: int, name: str) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/{name}").read_bytes()
+    except OSError:
+        return b""
+
+
+def _environ(pid: int) -> bytes:
+    return _read_proc(pid, "environ")
+
+
+def _cmdline(pid: int) -> str:
+    return _read_proc(pid, "cmdline").replace(b"\0", b" ").decode(errors="replace")
+
+
+def _alive(pid: int) -> bool:
+    stat = _read_proc(pid, "stat")
+    return bool(stat) and stat.rsplit(b")", 1)[1].split()[0] != b"Z"

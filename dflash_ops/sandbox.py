@@ -130,7 +130,7 @@ def up(state_dir=None, containers=(200,), hosts=1, *, stopped=(), inventory_path
        shm_size="1g") -> Sandbox:
     """Bring the sandbox up: `hosts` sshd hosts, each with its containers; idempotent.
 
-    Host 1 gets `containers` (started) and `stopped` (created, left stopped); host k gets the same
+    Host 1 gets `containers` (running) and `stopped` (created, kept stopped); host k gets the same
     ids shifted by (k-1) * span so ids stay unique (containers=(200,), hosts=2: 200 and 201).
     Writes the inventory (None: none) only when its content changes.
     """
@@ -222,6 +222,10 @@ def _host_up(state, name, key, run_ids, stop_ids, shm_size, changed):
         if host.containers.get(vmid) != "running":
             _pct(host, "start", str(vmid))
             changed.append(f"{name}: ct {vmid} started")
+    for vmid in stop_ids:
+        if host.containers.get(vmid) == "running":
+            _pct(host, "stop", str(vmid))
+            changed.append(f"{name}: ct {vmid} stopped")
 
 
 def _host_python() -> str:
@@ -332,10 +336,14 @@ def _inspect(state: Path, inventory_path=None) -> Sandbox:
 
 
 def _kill_host_processes(host: HostState) -> list[int]:
-    """Kill sshd and every process carrying this host's marker (sessions, pct, jobs left on the host)."""
+    """Kill sshd with its connections, and every process carrying this host's marker (sessions, pct,
+    jobs a session left on the host). sshd overwrites its own environ with its process title, so
+    its processes are found as the listener's descendants instead."""
     needle = f"{MARKER}={host.dir}".encode()
     mine = os.getpid()
     victims = [pid for pid in _all_pids() if pid != mine and needle in _environ(pid).split(b"\0")]
+    if host.sshd_pid:
+        victims += _descendants(host.sshd_pid) + [host.sshd_pid]
     for pid in victims:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -440,6 +448,20 @@ def _port_free(port: int) -> bool:
             return True
         except OSError:
             return False
+
+
+def _descendants(root: int) -> list[int]:
+    children = {}
+    for pid in _all_pids():
+        stat = _read_proc(pid, "stat")
+        if stat:
+            children.setdefault(int(stat.rsplit(b")", 1)[1].split()[1]), []).append(pid)
+    found, todo = [], [root]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
 
 
 def _all_pids():

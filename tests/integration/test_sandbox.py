@@ -1,0 +1,229 @@
+"""The embedded Proxmox host behaves like one: real sshd, real pct messages and exit codes, real isolation."""
+
+import os
+import random
+import subprocess
+from pathlib import Path
+
+import paramiko
+import pytest
+import yaml
+
+from dflash_ops import sandbox as sandbox_mod
+from dflash_ops.inventory import load_inventory
+
+pytestmark = pytest.mark.integration
+
+MISSING = "Configuration file 'nodes/{node}/lxc/{vmid}.conf' does not exist"
+
+
+def ssh(sb, command, host="pve1", stdin=None):
+    """Run a host command over OpenSSH with the pinned host key; returns (exit code, stdout, stderr)."""
+    p = subprocess.run(sb.ssh_argv(command, host), input=stdin, capture_output=True, text=True, timeout=60)
+    return p.returncode, p.stdout, p.stderr
+
+
+def paramiko_client(sb, known_hosts=None, host="pve1"):
+    client = paramiko.SSHClient()
+    client.load_host_keys(str(known_hosts or sb.known_hosts))
+    client.set_missing_host_key_policy(paramiko.RejectPolicy())
+    client.connect("127.0.0.1", port=sb.host(host).port, username="root", key_filename=str(sb.key),
+                   look_for_keys=False, allow_agent=False, timeout=10)
+    return client
+
+
+def unique_sleep():
+    """A `sleep N` whose command line no other process on this machine has."""
+    return f"sleep {random.randint(10**6, 10**7)}"
+
+
+def host_pids_running(cmdline):
+    return [p for p in os.listdir("/proc") if p.isdigit() and _cmdline(p) == cmdline]
+
+
+def _cmdline(pid):
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return ""
+
+
+# --- the shared session sandbox (200 running, 201 stopped): nothing here changes its state ---------
+
+def test_second_up_changes_nothing(sandbox):
+    before = Path(sandbox.inventory).read_text()
+    again = sandbox_mod.up(sandbox.state_dir, containers=(200,), stopped=(201,), inventory_path=sandbox.inventory)
+    assert again.changed == ()
+    assert again.host("pve1").sshd_pid == sandbox.host("pve1").sshd_pid
+    assert again.port == sandbox.port
+    assert Path(sandbox.inventory).read_text() == before
+
+
+def test_inventory_points_at_the_sandbox(sandbox):
+    inv = load_inventory(sandbox.inventory)
+    host = inv.hosts["pve1"]
+    assert (host.address, host.port, host.user) == ("127.0.0.1", sandbox.port, "root")
+    assert host.pct == str(sandbox.pct) and os.access(host.pct, os.X_OK)
+    assert sorted(inv.containers) == [200, 201] and inv.default_container == 200
+    raw = yaml.safe_load(Path(sandbox.inventory).read_text())["containers"][200]
+    assert raw["roles"] == {"target": ["cpu"], "drafter": ["cpu", "cpu", "cpu"]}
+    assert raw["tiny_target"] is True and raw["env"]["OMP_NUM_THREADS"] == "2"
+    assert raw["pip_env"]["PIP_CACHE_DIR"] == sandbox_mod.PIP_CACHE_MOUNT
+    known = Path(sandbox.known_hosts).read_text()
+    assert known.startswith(f"[127.0.0.1]:{sandbox.port} ssh-ed25519 ")
+
+
+def test_pct_is_on_the_session_path_and_status_reports(sandbox):
+    code, out, _ = ssh(sandbox, "command -v pct; pct status 200; pct status 201; pct list")
+    lines = out.splitlines()
+    assert code == 0
+    assert lines[:3] == [str(sandbox.pct), "status: running", "status: stopped"]
+    assert lines[3].split() == ["VMID", "Status", "Lock", "Name"]
+    assert [line.split() for line in lines[4:]] == [["200", "running", "ct200"], ["201", "stopped", "ct201"]]
+
+
+def test_unknown_host_key_is_refused(sandbox, tmp_path):
+    empty = tmp_path / "known_hosts"
+    empty.write_text("")
+    with pytest.raises(paramiko.SSHException, match="not found in known_hosts"):
+        paramiko_client(sandbox, known_hosts=empty)
+
+
+def test_exec_runs_in_the_container_with_cleared_env_and_forced_path(sandbox):
+    client = paramiko_client(sandbox)
+    try:
+        _, stdout, stderr = client.exec_command("pct exec 200 -- /usr/bin/env")
+        env = dict(line.split("=", 1) for line in stdout.read().decode().splitlines())
+        assert stdout.channel.recv_exit_status() == 0, stderr.read()
+        _, stdout, _ = client.exec_command("pct exec 200 -- sh -c 'hostname; pwd; cat /proc/1/comm'")
+        where = stdout.read().decode().split()
+    finally:
+        client.close()
+    assert env == {"PATH": "/sbin:/bin:/usr/sbin:/usr/bin", "container": "lxc"}
+    assert where == ["ct200", "/", "bwrap"]  # own hostname, cwd /, own pid namespace (its init is pid 1)
+
+
+def test_each_container_has_its_own_root_tmp_and_shm(sandbox):
+    token = f"iso-{random.randint(0, 10**9)}"
+    script = f"for d in /root /tmp /dev/shm /var/tmp; do echo {token} > $d/{token}; done; df -k /dev/shm | tail -1"
+    code, out, err = ssh(sandbox, f"pct exec 200 -- sh -c '{script}'")
+    assert code == 0, err
+    assert int(out.split()[1]) == 1024 * 1024  # the default 1g /dev/shm of the container config
+    for host_dir in ("/tmp", "/dev/shm", "/var/tmp", "/root"):
+        assert not os.path.exists(f"{host_dir}/{token}")
+    ct_root = Path(sandbox.state_dir) / "pve1" / "ct" / "200" / "root"
+    assert (ct_root / token).read_text() == f"{token}\n"  # /root is the container's dir on disk
+
+
+def test_host_filesystem_is_read_only_and_private_dirs_hidden(sandbox):
+    code, out, _ = ssh(sandbox, "pct exec 200 -- sh -c 'touch /usr/x 2>&1; ls /work 2>&1; test -x /usr/bin/python3 && "
+                                "test -d /opt && echo ok'")
+    assert "Read-only file system" in out
+    assert "No such file or directory" in out
+    assert out.strip().endswith("ok")
+
+
+def test_missing_and_stopped_containers_are_told_apart(sandbox):
+    code, _, err = ssh(sandbox, "pct exec 999 -- true")
+    assert (code, err.strip()) == (255, MISSING.format(node="pve1", vmid=999))
+    code, _, err = ssh(sandbox, "pct exec 201 -- true")
+    assert (code, err.strip()) == (255, "container '201' not running!")
+    code, _, err = ssh(sandbox, "pct exec 200")
+    assert (code, err.strip()) == (255, "missing command")
+    code, _, err = ssh(sandbox, "pct status 999")
+    assert (code, err.strip()) == (255, MISSING.format(node="pve1", vmid=999))
+
+
+@pytest.mark.parametrize("script, expected", [
+    ("exit 0", 0),
+    ("exit 3", 3),
+    ("exit 255", 255),
+    ("kill -TERM $$", 128 + 15),
+    ("kill -KILL $$", 128 + 9),
+])
+def test_exit_codes_pass_through(sandbox, script, expected):
+    code, _, _ = ssh(sandbox, f"pct exec 200 -- sh -c '{script}'")
+    assert code == expected
+
+
+def test_stdin_stdout_stderr_pass_through(sandbox):
+    data = "line one\nüñï $(no) `expansion`\n"
+    code, out, err = ssh(sandbox, "pct exec 200 -- sh -c 'cat; echo to-stderr >&2'", stdin=data)
+    assert (code, out, err) == (0, data, "to-stderr\n")
+
+
+def test_push_and_pull_one_file(sandbox, tmp_path):
+    src = tmp_path / "in file"
+    src.write_bytes(bytes(range(256)) * 64)
+    dst = tmp_path / "back"
+    code, out, err = ssh(sandbox, f"pct push 200 '{src}' '/dev/shm/a b' --perms 0600 && "
+                                  f"pct exec 200 -- stat -c %a '/dev/shm/a b' && pct pull 200 '/dev/shm/a b' '{dst}'")
+    assert (code, out.strip()) == (0, "600"), err
+    assert dst.read_bytes() == src.read_bytes()
+    code, _, err = ssh(sandbox, f"pct push 201 '{src}' /root/x")
+    assert (code, err.strip()) == (255, "container '201' not running!")
+
+
+# --- a private sandbox for what changes state: stop, start, down ----------------------------------
+
+@pytest.fixture(scope="module")
+def private(sandbox_factory):
+    return sandbox_factory(containers=(300, 301))
+
+
+def test_containers_do_not_see_each_others_files(private):
+    code, out, err = ssh(private, "pct exec 300 -- sh -c 'echo 300 > /tmp/mine; echo 300 > /root/mine' && "
+                                  "pct exec 301 -- sh -c 'cat /tmp/mine /root/mine 2>&1; hostname'")
+    assert code == 0, err
+    assert out.count("No such file or directory") == 2
+    assert out.strip().endswith("ct301")
+
+
+def test_detached_job_survives_the_ssh_session(private):
+    sleep = unique_sleep()
+    client = paramiko_client(private)
+    try:
+        _, stdout, _ = client.exec_command(f"pct exec 300 -- setsid -f {sleep} </dev/null >/dev/null 2>&1")
+        assert stdout.channel.recv_exit_status() == 0
+    finally:
+        client.close()
+    code, out, _ = ssh(private, "pct exec 300 -- ps -eo args")
+    assert sleep in out.splitlines()
+    assert len(host_pids_running(sleep)) == 1
+
+
+def test_stop_kills_every_process_and_start_gives_fresh_tmp(private):
+    sleeps = [unique_sleep() for _ in range(2)]
+    code, _, err = ssh(private, f"pct exec 300 -- setsid -f {sleeps[0]} </dev/null >/dev/null 2>&1; "
+                                f"pct exec 300 -- setsid -f sh -c '{sleeps[1]}; true' </dev/null >/dev/null 2>&1; "
+                                "pct exec 300 -- sh -c 'echo t > /tmp/t; echo s > /dev/shm/s; echo r > /root/r'")
+    assert code == 0, err
+    assert all(host_pids_running(s) for s in sleeps)
+    code, out, err = ssh(private, "pct stop 300 && pct status 300")
+    assert (code, out.strip()) == (0, "status: stopped"), err
+    assert not any(host_pids_running(s) for s in sleeps)
+    code, out, err = ssh(private, "pct start 300 && pct exec 300 -- sh -c 'ls -A /tmp /dev/shm; cat /root/r'")
+    assert (code, out.split()) == (0, ["/dev/shm:", "/tmp:", "r"]), err  # both empty
+
+
+def test_down_leaves_no_process_behind(private):
+    state = str(private.state_dir)
+    sshd_pid = private.host("pve1").sshd_pid
+    client = paramiko_client(private)  # an open session must not survive down() either
+    sandbox_mod.down(state)
+    client.close()
+    ps = subprocess.run(["ps", "-eo", "pid,stat,args"], capture_output=True, text=True).stdout
+    assert state not in ps
+    assert not os.path.exists(f"/proc/{sshd_pid}")
+    marker = f"{sandbox_mod.MARKER}={state}".encode()
+    assert not [p for p in os.listdir("/proc") if p.isdigit() and marker in _environ(p)]
+    after = sandbox_mod.status(state)
+    assert after.host("pve1").sshd_pid is None
+    assert set(after.host("pve1").containers.values()) == {"stopped"}
+
+
+def _environ(pid):
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return b""

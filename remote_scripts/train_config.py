@@ -151,6 +151,11 @@ def _build(cls, tree: dict, prefix: str):
         if isinstance(default, bool) and not isinstance(value, bool):
             raise ConfigError(f"{prefix}{f.name}: expected true/false, got {value!r}")
         if isinstance(default, (int, float)) and not isinstance(default, bool):
+            if isinstance(value, str):  # YAML 1.1 reads 5e-3 (no dot) as a string
+                try:
+                    value = float(value)
+                except ValueError:
+                    pass
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ConfigError(f"{prefix}{f.name}: expected a number, got {value!r}")
             value = type(default)(value) if isinstance(default, float) else value

@@ -105,19 +105,9 @@ def train(args) -> int:
     # target
     target = Target(target_path, target_devices, config.target.dtype)
 
-    # drafters
-    vocab_size = dm.text_config(target.config).vocab_size
-    mask_token_id = training.resolve_mask_token_id(config, tokenizer, vocab_size)
-    template = training.build_drafter_template(config, target.config, mask_token_id)
-    target.layer_ids = template.target_layer_ids
-    training.configure_compile(config, resolve_path(config.compile.cache_dir))
-    attention, build_mask, attention_desc = training.make_attention(config)
-    workers = [training.DrafterWorker(i, device, template, config, target.embed_weight,
-                                      target.lm_head_weight, attention)
-               for i, device in enumerate(drafter_devices)]
-    log.info("drafter: %d layers, %.1fM parameters, taps %s, block %d, mask token %d; %s",
-             template.config.num_hidden_layers, dm.parameter_count(template) / 1e6,
-             template.target_layer_ids, config.model.block_size, mask_token_id, attention_desc)
+    # drafters + compile settings (one worker per drafter device, identical replicas)
+    drafters = training.build_drafters(config, target, tokenizer, drafter_devices)
+    workers, mask_token_id, build_mask = drafters.workers, drafters.mask_token_id, drafters.build_mask
 
     step = 0
     resume_from = checkpoints.latest_checkpoint(run_dir)
@@ -221,6 +211,8 @@ def log_train(metrics, step, stop_step, window, seconds, lr, devices) -> None:
     record = {
         "kind": "train", "step": step, "loss": sum(losses) / len(losses),
         "slot_accuracy": dm.slot_accuracy(stats), "acceptance_length": dm.acceptance_length(stats),
+        "worker_loss": [sum(r[i][0] for r, _ in window) / len(window)
+                        for i in range(len(window[0][0]))],
         "tokens_per_s": tokens / max(seconds, 1e-9), "lr": lr,
         "memory_gib": training.memory_gib(devices), "time": time.time(),
     }

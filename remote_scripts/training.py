@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import math
 import random
 import resource
@@ -21,7 +22,9 @@ import torch.nn.functional as F
 import compile_safety
 import dflash_model as dm
 from dflash_data import collate
-from train_config import Config, ConfigError
+from train_config import Config, ConfigError, resolve_path
+
+log = logging.getLogger("dflash.train")
 
 
 # ----------------------------------------------------------------------------- devices
@@ -268,3 +271,28 @@ def warm_up(workers: list[DrafterWorker], make_batch) -> dict:
             worker.evaluate(batch)
 
     return compile_safety.warm_shapes(step, shapes)
+
+
+@dataclass
+class Drafters:
+    workers: list
+    template: dm.DFlashDrafter
+    mask_token_id: int
+    build_mask: object
+
+
+def build_drafters(config: Config, target, tokenizer, drafter_devices: list[str]) -> Drafters:
+    """Drafter config from the target, one seeded init, compile settings, one worker per device."""
+    vocab_size = dm.text_config(target.config).vocab_size
+    mask_token_id = resolve_mask_token_id(config, tokenizer, vocab_size)
+    template = build_drafter_template(config, target.config, mask_token_id)
+    target.layer_ids = template.target_layer_ids
+    configure_compile(config, resolve_path(config.compile.cache_dir))
+    attention, build_mask, description = make_attention(config)
+    workers = [DrafterWorker(i, device, template, config, target.embed_weight,
+                             target.lm_head_weight, attention)
+               for i, device in enumerate(drafter_devices)]
+    log.info("drafter: %d layers, %.1fM parameters, taps %s, block %d, mask token %d; %s",
+             template.config.num_hidden_layers, dm.parameter_count(template) / 1e6,
+             template.target_layer_ids, config.model.block_size, mask_token_id, description)
+    return Drafters(workers, template, mask_token_id, build_mask)

@@ -105,8 +105,8 @@ def write_split(path: str, count: int, seed: int, split: str, exclude: set | Non
         while index < count:
             row = conversation(rng, index, split)
             key = json.dumps(row["conversations"])
-            if exclude and key in exclude:
-                continue  # held-out conversations never appear in training
+            if key in seen or (exclude and key in exclude):
+                continue  # no repeats; held-out conversations never appear in training
             seen.add(key)
             f.write(json.dumps(row) + "\n")
             index += 1

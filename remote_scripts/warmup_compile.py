@@ -1,0 +1,84 @@
+"""Fill the compile cache that training reads: run the training step for every shape, then exit.
+
+    python warmup_compile.py --config FILE [--set k=v ...] [--target-devices L]
+        [--drafter-devices L] [--run-dir D] [--max-steps N]      (same arguments as training)
+
+For each drafter device in turn, in the main thread: the training forward AND backward with grad
+enabled (the incident's warm-up ran under no_grad, which compiles a different graph) and the
+evaluation forward without grad, on batches of exactly the shapes training uses, through the same
+model, config and compile settings (imported, never copied). The target's weights are not loaded:
+compiled graphs depend on shapes and dtypes only, so random features of the target's width stand
+in. Exits non-zero with a one-line message on failure.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+import traceback
+
+import compile_safety
+import training
+from dflash_data import DataError, load_examples
+from target_model import ShapeOnlyTarget, TargetLoadError, load_tokenizer
+from train_config import ConfigError, resolve_path
+from train_dflash import cli_parser, config_from_args, setup_logging
+
+log = logging.getLogger("dflash.warmup")
+
+
+def warm(args) -> int:
+    config = config_from_args(args)
+    setup_logging(None)
+    drafter_devices = training.parse_devices(config.devices.drafter, "devices.drafter")
+    training.parse_devices(config.devices.target, "devices.target")
+    training.check_attention(config, drafter_devices)
+
+    target_path = resolve_path(config.target.path)
+    if not os.path.isdir(target_path):
+        raise TargetLoadError(f"target checkpoint directory not found: {target_path}")
+    tokenizer = load_tokenizer(target_path)
+    examples = load_examples(resolve_path(config.data.train), tokenizer,
+                             config.data.assistant_header, config.data.end_of_turn,
+                             config.data.max_length)[: config.train.batch_size]
+    target = ShapeOnlyTarget(target_path, config.target.dtype, layer_ids=[])
+    drafters = training.build_drafters(config, target, tokenizer, drafter_devices)
+
+    started = time.perf_counter()
+    timings = training.warm_up(drafters.workers, lambda worker: training.prepare_batch(
+        examples, config, target, worker.device, drafters.mask_token_id, drafters.build_mask,
+        training.anchor_generator(config.train.seed, -2, worker.index)))
+    stats = compile_safety.stats()
+    if config.compile.enabled:
+        log.info("warm-up done: %d shape(s) on %s in %.1f s; compiled calls %d, fallbacks %d; "
+                 "cache %s", len(timings), ",".join(drafter_devices),
+                 time.perf_counter() - started, stats["calls"], stats["fallbacks"],
+                 compile_safety.current_settings().cache_dir)
+        if stats["fallbacks"]:
+            raise RuntimeError(f"{stats['fallbacks']} compile fallback(s): attention would run "
+                               "uncompiled; raise compile.recompile_limit")
+    else:
+        log.info("warm-up done: %d shape(s) on %s in %.1f s; compile is off (%s attention): "
+                 "the step ran uncompiled and there is nothing to cache", len(timings),
+                 ",".join(drafter_devices), time.perf_counter() - started, config.model.attention)
+    return 0
+
+
+def main() -> int:
+    args = cli_parser(__doc__.splitlines()[0]).parse_args()
+    try:
+        return warm(args)
+    except (ConfigError, DataError, TargetLoadError) as exc:
+        print(f"warmup_compile: error: {exc}", file=sys.stderr)
+    except Exception as exc:  # a compile failure: say what failed, keep the trace for the log
+        traceback.print_exc()
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        print(f"warmup_compile: error: warm-up failed: {type(exc).__name__}: {first_line}",
+              file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Shared fixtures for the remote_scripts tests: the payload on sys.path, a tiny target, the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REMOTE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "remote_scripts")
+REMOTE = os.path.normpath(REMOTE)
+if REMOTE not in sys.path:
+    sys.path.insert(0, REMOTE)
+
+TINY_CONFIG = os.path.join(REMOTE, "configs", "tiny-cpu.yaml")
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory) -> str:
+    """A tiny random Qwen3 checkpoint directory, made by make_tiny_target's own functions."""
+    import make_tiny_target
+
+    out = str(tmp_path_factory.mktemp("tiny-target"))
+    tokenizer = make_tiny_target.build_tokenizer()
+    model = make_tiny_target.build_model(tokenizer, seed=0)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def run_script(script: str, *args: str, timeout: float = 240, env_extra: dict | None = None):
+    """Run a remote script as the toolkit does: a subprocess of the real CLI."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env_extra or {}))
+    return subprocess.run([sys.executable, os.path.join(REMOTE, script), *args], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def tiny_args(target: str, run_dir: str, *overrides: str) -> list[str]:
+    """Arguments for a short tiny-cpu run: our target, our run dir, quick logging."""
+    args = ["--config", TINY_CONFIG, "--run-dir", run_dir, "--set", f"target.path={target}",
+            "--set", f"compile.cache_dir={run_dir}/inductor"]
+    for override in overrides:
+        args += ["--set", override]
+    return args
+
+
+def read_metrics(run_dir: str, kind: str | None = None) -> list[dict]:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+    return [r for r in rows if kind is None or r["kind"] == kind]

@@ -1,0 +1,181 @@
+"""The drafter's architecture, mask and objective on CPU (real torch, no mocks)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from transformers import Qwen3Config
+
+import dflash_model as dm
+
+BLOCK = 4
+
+
+def small_target_config(**extra) -> Qwen3Config:
+    return Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, **extra)
+
+
+def small_drafter(seed=0, **kwargs) -> dm.DFlashDrafter:
+    config = dm.create_drafter_config(2, small_target_config(), block_size=BLOCK,
+                                      mask_token_id=96)
+    torch.manual_seed(seed)
+    return dm.DFlashDrafter(config, **kwargs)
+
+
+def random_inputs(drafter, batch=2, context=10, num_anchors=3, seed=1, all_valid=False):
+    generator = torch.Generator().manual_seed(seed)
+    loss_mask = torch.ones(batch, context)
+    if not all_valid:
+        loss_mask[1, :7] = 0  # row 1 has only two anchor positions: one padding block
+    anchors, keep = dm.sample_anchors(loss_mask, num_anchors, generator)
+    hidden = drafter.config.hidden_size
+    target_hidden = torch.randn(batch, context, 2 * hidden, generator=generator)
+    noise = torch.randn(batch, num_anchors * BLOCK, hidden, generator=generator)
+    _, positions = dm.block_inputs(torch.zeros(batch, context, dtype=torch.long), anchors, keep,
+                                   BLOCK, 96)
+    return anchors, keep, target_hidden, noise, positions
+
+
+def test_flex_forward_equals_dense_reference():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    drafter = small_drafter().eval()
+    anchors, keep, target_hidden, noise, positions = random_inputs(drafter)
+    assert not keep.all(), "the inputs must include a padding block"
+    dense_mask = dm.dense_dflash_mask(anchors, keep, target_hidden.shape[1], BLOCK)
+    block_mask = dm.flex_dflash_mask(anchors, keep, target_hidden.shape[1], BLOCK)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "flex_attention called without torch.compile()"
+        dense = drafter(target_hidden, noise, positions, dense_mask, dm.dense_attention)
+        flex = drafter(target_hidden, noise, positions, block_mask,
+                       dm.make_flex_attention(flex_attention))
+    torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-5)
+
+
+def test_mask_semantics():
+    anchors = torch.tensor([[2, 5]])
+    keep = torch.tensor([[True, False]])
+    context = 8
+    mask = dm.dense_dflash_mask(anchors, keep, context, BLOCK)[0, 0]
+    assert mask.shape == (2 * BLOCK, context + 2 * BLOCK)
+    for q in range(BLOCK):  # block 0, anchor 2
+        assert mask[q, :context].tolist() == [True, True] + [False] * 6  # strictly before anchor
+        assert mask[q, context:context + BLOCK].all()                   # own block, both ways
+        assert not mask[q, context + BLOCK:].any()                      # not the other block
+    assert not mask[BLOCK:].any()                                       # padding block: nothing
+
+
+def test_mask_from_block_mask_matches_dense():
+    anchors = torch.tensor([[0, 3, 6], [1, 2, 0]])
+    keep = torch.tensor([[True, True, True], [True, True, False]])
+    block_mask = dm.flex_dflash_mask(anchors, keep, 9, BLOCK)
+    dense = dm.dense_dflash_mask(anchors, keep, 9, BLOCK)
+    as_dense = block_mask.to_dense()  # block granularity: every True must be covered
+    assert as_dense.shape[0] == 2
+    mod = block_mask.mask_mod
+    q = torch.arange(3 * BLOCK).view(1, -1, 1)
+    kv = torch.arange(9 + 3 * BLOCK).view(1, 1, -1)
+    assert torch.equal(mod(torch.arange(2).view(-1, 1, 1), None, q, kv), dense[:, 0])
+
+
+def test_labels_slot_k_predicts_anchor_plus_k_and_slot0_excluded():
+    input_ids = torch.arange(100, 112).view(1, -1)
+    loss_mask = torch.ones(1, 12)
+    loss_mask[0, 9] = 0  # one non-assistant token
+    anchors, keep = torch.tensor([[3, 7, 10]]), torch.tensor([[True, True, True]])
+    labels, valid = dm.block_labels(input_ids, loss_mask, anchors, keep, BLOCK)
+    assert labels[0, 0].tolist() == [103, 104, 105, 106]
+    assert valid[0, 0].tolist() == [0, 1, 1, 1]          # slot 0 is the given anchor
+    assert valid[0, 1].tolist() == [0, 1, 0, 1]          # anchor 7: position 9 is masked out
+    assert valid[0, 2].tolist() == [0, 1, 0, 0]          # anchor 10: 12, 13 past the end
+    noise, positions = dm.block_inputs(input_ids, anchors, keep, BLOCK, mask_token_id=1)
+    assert noise[0, :BLOCK].tolist() == [103, 1, 1, 1]
+    assert positions[0, 12:16].tolist() == [3, 4, 5, 6]
+
+
+def test_loss_weights_decay_and_normalisation():
+    weights = dm.slot_weights(BLOCK, gamma=2.0)
+    assert weights[0] == 0
+    torch.testing.assert_close(weights[1:], torch.exp(-torch.tensor([0.0, 1.0, 2.0]) / 2.0))
+    vocab = 5
+    labels = torch.tensor([[[0, 1, 2, 3]]])
+    valid = torch.tensor([[[0.0, 1.0, 1.0, 0.0]]])
+    logits = torch.zeros(1, 1, BLOCK, vocab)
+    logits[0, 0, 1, 1] = 10.0  # slot 1 right and confident; slot 2 uniform; slot 3 ignored
+    logits[0, 0, 3] = torch.randn(vocab) * 100
+    loss, stats = dm.dflash_loss(logits, labels, valid, gamma=2.0)
+    ce = torch.nn.functional.cross_entropy(logits[0, 0], labels[0, 0], reduction="none")
+    expected = (ce[1] * weights[1] + ce[2] * weights[2]) / (weights[1] + weights[2])
+    torch.testing.assert_close(loss, expected)
+    assert stats["slot_count"] == [1.0, 1.0, 0.0]
+    assert stats["slot_correct"][0] == 1.0
+    assert dm.acceptance_length(stats) == pytest.approx(2.0)  # slot 1 right, slot 2 wrong
+
+
+def test_acceptance_length_counts_the_run_of_correct_slots():
+    labels = torch.tensor([[[0, 1, 2, 3], [0, 1, 2, 3]]])
+    valid = torch.tensor([[[0.0, 1, 1, 1], [0.0, 1, 1, 1]]])
+    logits = torch.full((1, 2, BLOCK, 4), -5.0)
+    for slot, token in enumerate([0, 1, 2, 3]):  # block 0 all right
+        logits[0, 0, slot, token] = 5.0
+    logits[0, 1, 1, 0] = 5.0  # block 1: slot 1 wrong, slots 2, 3 right (after a miss: no credit)
+    logits[0, 1, 2, 2] = logits[0, 1, 3, 3] = 5.0
+    _, stats = dm.dflash_loss(logits, labels, valid, gamma=7.0)
+    assert dm.acceptance_length(stats) == pytest.approx((4 + 1) / 2)
+
+
+def test_anchors_only_on_loss_positions_and_fixed_shape():
+    loss_mask = torch.zeros(3, 20)
+    loss_mask[0, 5:15] = 1
+    loss_mask[1, 18:] = 1  # position 19 cannot be an anchor (no label after it)
+    anchors, keep = dm.sample_anchors(loss_mask, 6, torch.Generator().manual_seed(0))
+    assert anchors.shape == keep.shape == (3, 6)
+    assert keep.sum(dim=1).tolist() == [6, 1, 0]
+    assert all(loss_mask[0, a] == 1 for a in anchors[0].tolist())
+    assert anchors[1][keep[1]].tolist() == [18]
+    assert anchors[0].tolist() == sorted(anchors[0].tolist())
+
+
+def test_wrong_target_hidden_shape_names_the_expected_shape():
+    config = dm.create_drafter_config(5)  # the production default: 5 taps x 5120
+    assert config.hidden_size == 5120 and len(config.dflash_config["target_layer_ids"]) == 5
+    drafter = small_drafter()
+    anchors, keep, target_hidden, noise, positions = random_inputs(drafter)
+    mask = dm.dense_dflash_mask(anchors, keep, target_hidden.shape[1], BLOCK)
+    four_d = target_hidden.view(2, target_hidden.shape[1], 2, 32)  # the incident's [B, T, 5, 5120]
+    with pytest.raises(dm.DrafterShapeError, match=r"expected \[batch, seq, 64\]"):
+        drafter(four_d, noise, positions, mask)
+    with pytest.raises(dm.DrafterShapeError, match=r"\[2, 10, 2, 32\]"):
+        drafter(four_d, noise, positions, mask)
+
+
+def test_multimodal_config_is_unwrapped_to_text_config():
+    from transformers import Qwen3_5Config
+
+    text = dict(vocab_size=300, hidden_size=48, intermediate_size=96, num_hidden_layers=12,
+                num_attention_heads=6, num_key_value_heads=2, head_dim=8)
+    multimodal = Qwen3_5Config(text_config=text)
+    config = dm.create_drafter_config(3, multimodal, block_size=8)
+    assert (config.hidden_size, config.vocab_size, config.num_target_layers) == (48, 300, 12)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (6, 2, 8)
+    assert config.dflash_config["target_layer_ids"] == dm.build_target_layer_ids(12, 3) == [1, 5, 9]
+    assert config.num_hidden_layers == 3
+
+
+def test_default_taps_match_qwen3_8b_layout():
+    assert dm.build_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    grads = []
+    for checkpointing in (False, True):
+        drafter = small_drafter(gradient_checkpointing=checkpointing).train()
+        anchors, keep, target_hidden, noise, positions = random_inputs(drafter)
+        mask = dm.dense_dflash_mask(anchors, keep, target_hidden.shape[1], BLOCK)
+        drafter(target_hidden, noise, positions, mask).square().mean().backward()
+        grads.append([p.grad.clone() for p in drafter.parameters()])
+    for plain, checkpointed in zip(*grads):
+        torch.testing.assert_close(plain, checkpointed)

@@ -1,0 +1,139 @@
+"""The real training and warm-up scripts, run as subprocesses on CPU with the tiny target."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import checkpoints
+from conftest import REMOTE, read_metrics, run_script, tiny_args
+
+# Short runs: small batches, every step logged, no mid-run saves or evals.
+QUICK = ("train.batch_size=4", "train.log_every=1", "train.eval_every=1000",
+         "train.eval_batches=1", "train.save_every=1000")
+
+
+@pytest.mark.slow
+def test_tiny_run_lowers_loss_and_raises_acceptance_on_heldout(tiny_target, tmp_path):
+    from dflash.model import DFlashDraftModel
+
+    run = str(tmp_path / "run")
+    started = time.perf_counter()
+    result = run_script("train_dflash.py", *tiny_args(tiny_target, run), timeout=400,
+                        env_extra={"OMP_NUM_THREADS": "2"})
+    wall = time.perf_counter() - started
+    assert result.returncode == 0, result.stderr[-3000:]
+    evals = read_metrics(run, "eval")
+    first, last = evals[0], evals[-1]
+    print(f"tiny run: held-out loss {first['loss']:.3f} -> {last['loss']:.3f}, acceptance "
+          f"{first['acceptance_length']:.2f} -> {last['acceptance_length']:.2f}, {wall:.0f} s")
+    assert first["step"] == 0 and last["step"] == 500
+    assert last["loss"] < 0.5 * first["loss"]
+    assert last["acceptance_length"] > first["acceptance_length"] + 0.5
+    train = read_metrics(run, "train")
+    assert {"step", "loss", "slot_accuracy", "acceptance_length", "tokens_per_s", "lr",
+            "memory_gib"} <= set(train[-1])
+    assert os.path.exists(os.path.join(run, "train.log"))
+    assert os.path.exists(os.path.join(run, "config.yaml"))
+    latest = checkpoints.latest_checkpoint(run)
+    assert latest.endswith("step-500")
+    model, info = DFlashDraftModel.from_pretrained(latest, output_loading_info=True)
+    assert info["missing_keys"] == set() and info["unexpected_keys"] == set()
+
+
+def checkpoint_state(directory):
+    return load_file(os.path.join(directory, "model.safetensors")), checkpoints.load_state(directory)
+
+
+def test_resume_reaches_the_same_state_as_an_uninterrupted_run(tiny_target, tmp_path):
+    interrupted, straight = str(tmp_path / "interrupted"), str(tmp_path / "straight")
+    for run_dir, stop in ((interrupted, 3), (interrupted, 5), (straight, 5)):
+        result = run_script("train_dflash.py", *tiny_args(tiny_target, run_dir, *QUICK),
+                            "--max-steps", str(stop))
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in open(os.path.join(interrupted, "train.log")).read()
+    resumed_losses = {r["step"]: r["loss"] for r in read_metrics(interrupted, "train")}
+    straight_losses = {r["step"]: r["loss"] for r in read_metrics(straight, "train")}
+    assert sorted(resumed_losses) == sorted(straight_losses) == [1, 2, 3, 4, 5]
+    assert resumed_losses == straight_losses  # step 4, the first after resuming, included
+
+    weights_a, state_a = checkpoint_state(checkpoints.latest_checkpoint(interrupted))
+    weights_b, state_b = checkpoint_state(checkpoints.latest_checkpoint(straight))
+    assert state_a["step"] == state_b["step"] == 5
+    assert weights_a.keys() == weights_b.keys()
+    assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
+    opt_a, opt_b = state_a["optimizer"]["state"], state_b["optimizer"]["state"]
+    for index in opt_a:
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt_a[index][key], opt_b[index][key])
+    assert state_a["scheduler"] == state_b["scheduler"]
+    assert state_a["sampler"] == state_b["sampler"]
+
+
+def test_sigterm_writes_a_checkpoint_and_exits_zero(tiny_target, tmp_path):
+    run = str(tmp_path / "run")
+    args = tiny_args(tiny_target, run, *QUICK, "train.max_steps=100000")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    process = subprocess.Popen([sys.executable, os.path.join(REMOTE, "train_dflash.py"), *args],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while len(read_metrics(run, "train")) < 3:
+            assert process.poll() is None, process.stdout.read()[-3000:]
+            assert time.monotonic() < deadline, "training never reached step 3"
+            time.sleep(0.2)
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, output[-3000:]
+    assert "SIGTERM" in output
+    last_step = read_metrics(run, "train")[-1]["step"]
+    latest = checkpoints.latest_checkpoint(run)
+    assert latest.endswith(f"step-{last_step}")
+    assert checkpoints.load_state(latest)["step"] == last_step
+
+
+def test_three_cpu_drafter_threads_train_in_lockstep(tiny_target, tmp_path):
+    run = str(tmp_path / "run")
+    result = run_script("train_dflash.py", *tiny_args(tiny_target, run, *QUICK),
+                        "--drafter-devices", "cpu,cpu,cpu", "--max-steps", "4")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "3 drafter worker(s) on cpu,cpu,cpu" in result.stdout
+    train = read_metrics(run, "train")
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    assert all(len(set(r["worker_loss"])) == 3 for r in train)  # three different batches...
+    saved = read_metrics(run, "checkpoint")[-1]
+    assert saved["step"] == 4 and saved["replica_max_abs_diff"] == 0.0  # ...one identical model
+
+
+def test_warmup_runs_the_step_on_each_cpu_drafter_and_says_compile_is_off(tiny_target, tmp_path):
+    result = run_script("warmup_compile.py", *tiny_args(tiny_target, str(tmp_path), *QUICK),
+                        "--drafter-devices", "cpu,cpu")
+    assert result.returncode == 0, result.stderr[-3000:]
+    for shape in ("('train', 0)", "('eval', 0)", "('train', 1)", "('eval', 1)"):
+        assert f"shape {shape}" in result.stdout
+    assert "compile is off" in result.stdout
+
+
+@pytest.mark.parametrize("script", ["train_dflash.py", "warmup_compile.py"])
+def test_bad_paths_and_configs_exit_nonzero_with_one_line(tiny_target, tmp_path, script):
+    missing = run_script(script, *tiny_args(str(tmp_path / "no-target"), str(tmp_path / "r")))
+    assert missing.returncode != 0
+    assert missing.stderr.strip().splitlines()[-1].endswith(
+        f"target checkpoint directory not found: {tmp_path / 'no-target'}")
+    flex_on_cpu = run_script(script, *tiny_args(tiny_target, str(tmp_path / "r"),
+                                                "model.attention=flex"))
+    assert flex_on_cpu.returncode != 0
+    assert "no flex_attention backward on CPU" in flex_on_cpu.stderr
+    missing_config = run_script(script, "--config", str(tmp_path / "nope.yaml"))
+    assert missing_config.returncode != 0 and "config file not found" in missing_config.stderr
+

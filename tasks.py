@@ -94,6 +94,115 @@ def deploy(c, ct=None, dry_run=False, inventory=None):
         print(deploy_mod.describe(report))
 
 
+
+# --- training runs: warmup, train, logs, status, stop ----------------------------------------------
+@op_task(iterable=["set"], help={
+    "config": "training config in the container, relative to paths.code (default: the inventory's train_config)",
+    "set": "override a config value, key=value (repeatable), passed to the script as given"})
+def warmup(c, config=None, set=None, ct=None, inventory=None, dry_run=False):
+    """Fill the compile cache the next run reads (same config, env and devices as train).
+
+    Runs warmup_compile.py in the container in the foreground with exactly the config, --set
+    values, device lists, environment and compile-cache directories that `invoke train` uses, and
+    shows which drafter device has finished which shape. Refused while a run is alive (they would
+    share the GPUs and the cache). On failure: non-zero exit and the traceback's last lines, with the
+    runbook to read. Ctrl-C stops the warm-up in the container too.
+    """
+    from dflash_ops import jobs
+
+    jobs.warmup(cli.target(c, ct, inventory, dry_run), config, set or ())
+
+
+@op_task(iterable=["set"], help={
+    "run": "run name (a directory under paths.runs); an existing run resumes from its last checkpoint "
+           "(default: the UTC time, e.g. 20260101-120000)",
+    "config": "training config in the container, relative to paths.code (default: the inventory's train_config)",
+    "set": "override a config value, key=value (repeatable), passed to train_dflash.py as given",
+    "max_steps": "stop at this step (the LR schedule still follows train.max_steps)"})
+def train(c, run=None, config=None, set=None, max_steps=None, ct=None, inventory=None, dry_run=False):
+    """Start a detached training run in the container; refused while another run is alive.
+
+    The run survives this SSH session and your terminal: it is started with `setsid` under a
+    small wrapper that records its pid and, when it ends, its exit code or signal. Its directory
+    under paths.runs holds train.log, metrics.jsonl, checkpoints/, the config as given and as
+    resolved, the environment (secrets masked) and the deployed code version. One run at a time per
+    container, enforced by a lock in the container, so two launches at the same moment start one.
+    Returns after checking that the process is alive; follow it with `invoke logs --follow`.
+    """
+    from dflash_ops import jobs
+
+    t = cli.target(c, ct, inventory, dry_run)
+    launched = jobs.launch(t, run, config, set or (), int(max_steps) if max_steps is not None else None)
+    if not dry_run:
+        print(f"run {launched.run} started on {t.container.label}: pid {launched.pid}, code {launched.code_version}")
+        print(f"log: {launched.log} (in the container)")
+        print(f"follow it: invoke logs --follow --run {launched.run} --ct {t.container.ctid}")
+
+
+@op_task(help={"run": "run name (default: the latest run)",
+               "n": "how many of the last lines to show",
+               "follow": "keep printing new lines until the run ends (Ctrl-C stops following only)"})
+def logs(c, run=None, n=50, follow=False, ct=None, inventory=None, dry_run=False):
+    """Show a run's log (the last -n lines), or follow it until the run ends.
+
+    Lines that match a known failure (the torch.compile FX-tracing race, CUDA out of memory, NCCL
+    errors, disk full, a broken venv) are highlighted with the runbook to read. `--follow` uses
+    `tail -F`, so it keeps up when the log is rotated or the run restarts, and exits when the run
+    ends. Ctrl-C or a lost connection stops the follower in the container too; the run goes on.
+    """
+    from dflash_ops import logs as logs_mod
+
+    printer = logs_mod.show(cli.target(c, ct, inventory, dry_run), run, int(n), follow)
+    if printer.interrupted:
+        print("stopped following; the run goes on")
+    for advice in printer.summary():
+        print(advice)
+
+
+@op_task(help={"run": "run name (default: the latest run)",
+               "json": "print the facts as JSON for scripts",
+               "stall_after": "call a running run stalled after this many seconds without a new log line or metric"})
+def status(c, run=None, json=False, stall_after=600, ct=None, inventory=None, dry_run=False):
+    """Show a run's state, progress and the GPUs, in one round trip.
+
+    State: running, stalled (alive, but no new log line or metric for --stall-after seconds),
+    finished, crashed (with the exit code or the signal), stopped. Then pid, uptime, last step,
+    loss, acceptance length, tokens/s, learning rate, per-GPU utilisation and memory when the
+    container has nvidia-smi, and the runbook to read when the log's last lines show a known failure.
+    """
+    from dflash_ops import status as status_mod
+
+    t = cli.target(c, ct, inventory, dry_run)
+    st = status_mod.gather(t, run, float(stall_after))
+    if st is None:
+        return
+    if json:
+        print(st.to_json())
+    else:
+        status_mod.render(st, t.container.label)
+
+
+@op_task(help={"run": "run name (default: the latest run)",
+               "grace": "seconds to wait after SIGTERM (the run checkpoints) before SIGKILL"})
+def stop(c, run=None, grace=30, ct=None, inventory=None, dry_run=False):
+    """Stop a run: SIGTERM (it checkpoints), SIGKILL after --grace seconds, confirm nothing is left.
+
+    Signals the run's whole process group, records "stopped" in the run directory, and checks that
+    no process of the run is left and the container's run lock is free.
+    """
+    from dflash_ops import jobs
+
+    t = cli.target(c, ct, inventory, dry_run)
+    result = jobs.stop(t, run, float(grace))
+    if dry_run:
+        return
+    if result.outcome == "notalive":
+        print(f"run {result.run} on {t.container.label} is not running (exit code: {result.exit_code or 'none'})")
+    else:
+        how = "SIGTERM" if result.outcome == "term" else f"SIGKILL after {float(grace):g} s"
+        print(f"run {result.run} on {t.container.label} stopped ({how}, exit code: {result.exit_code or 'none'}); "
+              f"no process left")
+
 @op_task
 def doctor(c, ct=None, dry_run=False, inventory=None):
     """Check the container is ready to train: one line per check, the fix for each that fails.
@@ -128,5 +237,5 @@ sandbox_ns.add_task(sandbox_up, "up")
 sandbox_ns.add_task(sandbox_down, "down")
 sandbox_ns.add_task(sandbox_status, "status")
 
-ns = Collection(trust_host, sandbox_ns, deploy, doctor, clean_cache)
+ns = Collection(trust_host, sandbox_ns, deploy, warmup, train, logs, status, stop, doctor, clean_cache)
 ns.configure({"dflash": {"inventory": None}})

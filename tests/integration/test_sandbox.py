@@ -2,6 +2,8 @@
 
 import os
 import random
+import shlex
+import socket
 import subprocess
 from pathlib import Path
 
@@ -227,3 +229,62 @@ def _environ(pid):
         return Path(f"/proc/{pid}/environ").read_bytes()
     except OSError:
         return b""
+
+
+# --- several hosts: each its own sshd, port, host key and node name -------------------------------
+
+@pytest.fixture(scope="module")
+def two_hosts(sandbox_factory):
+    return sandbox_factory(containers=(200,), hosts=2)
+
+
+def test_two_hosts_each_run_their_own_sshd_and_containers(two_hosts):
+    pve1, pve2 = two_hosts.host("pve1"), two_hosts.host("pve2")
+    assert pve1.port != pve2.port and pve1.sshd_pid != pve2.sshd_pid
+    assert (pve1.containers, pve2.containers) == ({200: "running"}, {201: "running"})
+    inv = load_inventory(two_hosts.inventory)
+    assert {n: (h.port, h.node) for n, h in inv.hosts.items()} == {"pve1": (pve1.port, "pve1"),
+                                                                   "pve2": (pve2.port, "pve2")}
+    assert {i: c.host.name for i, c in inv.containers.items()} == {200: "pve1", 201: "pve2"}
+    again = sandbox_mod.up(two_hosts.state_dir, containers=(200,), hosts=2, inventory_path=two_hosts.inventory)
+    assert again.changed == ()
+
+
+def test_each_host_knows_only_its_own_containers(two_hosts):
+    code, out, err = ssh(two_hosts, "pct exec 201 -- hostname; pct exec 200 -- true", host="pve2")
+    assert (code, out.strip(), err.strip()) == (255, "ct201", MISSING.format(node="pve2", vmid=200))
+    code, _, err = ssh(two_hosts, "pct status 201", host="pve1")
+    assert (code, err.strip()) == (255, MISSING.format(node="pve1", vmid=201))
+
+
+def test_a_host_key_pinned_for_another_port_is_refused(two_hosts, tmp_path):
+    pve1, pve2 = two_hosts.host("pve1"), two_hosts.host("pve2")
+    wrong = tmp_path / "known_hosts"  # pve1's key written down for pve2's address: a changed key
+    wrong.write_text(Path(two_hosts.known_hosts).read_text().replace(f"[127.0.0.1]:{pve1.port} ",
+                                                                     f"[127.0.0.1]:{pve2.port} ", 1)
+                     .splitlines(keepends=True)[0])
+    with pytest.raises(paramiko.BadHostKeyException):
+        paramiko_client(two_hosts, known_hosts=wrong, host="pve2")
+
+
+def test_containers_on_two_hosts_reach_each_other_on_loopback(two_hosts):
+    with socket.socket() as s:  # a free loopback port; the containers share the host's network
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ("import socket; s = socket.create_server(('127.0.0.1', %d)); c, _ = s.accept(); "
+              "c.sendall(socket.gethostname().encode())" % port)
+    client = ("import socket, time\nfor _ in range(500):\n    try:\n"
+              "        print(socket.create_connection(('127.0.0.1', %d)).recv(64).decode()); break\n"
+              "    except ConnectionRefusedError:\n        time.sleep(0.02)" % port)
+    code, _, err = ssh(two_hosts, f"pct exec 200 -- setsid -f python3 -c {shlex.quote(server)} </dev/null >/dev/null 2>&1")
+    assert code == 0, err
+    code, out, err = ssh(two_hosts, "pct exec 201 -- python3 -", host="pve2", stdin=client)
+    assert (code, out.strip()) == (0, "ct200"), err
+
+
+def test_down_stops_every_host(two_hosts):
+    pids = [h.sshd_pid for h in two_hosts.hosts]
+    after = sandbox_mod.down(two_hosts.state_dir)
+    assert [h.sshd_pid for h in after.hosts] == [None, None]
+    assert not [p for p in pids if os.path.exists(f"/proc/{p}")]
+    assert [set(h.containers.values()) for h in after.hosts] == [{"stopped"}, {"stopped"}]

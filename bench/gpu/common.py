@@ -1,0 +1,76 @@
+"""Shared bench helpers: payload import path, timing, FLOP counts, the result table."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REMOTE = os.path.join(ROOT, "remote_scripts")
+if REMOTE not in sys.path:
+    sys.path.insert(0, REMOTE)
+
+# Qwen3-8B (the drafter's widths come from the target) and the Qwen3.6-27B-class text model.
+QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+                max_position_embeddings=40960, rope_theta=1_000_000.0)
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_fn(fn, device, warmup: int = 3, iters: int = 10) -> dict:
+    """Median / min / max milliseconds of fn() over `iters` runs after `warmup` (host clock, synced).
+
+    The work timed here is tens of milliseconds or more per call, so a synchronised host clock
+    is within a few microseconds of device events.
+    """
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return {"ms": statistics.median(times), "ms_min": min(times), "ms_max": max(times), "n": iters}
+
+
+def linear_flops(m: int, k: int, n: int) -> float:
+    return 2.0 * m * k * n
+
+
+class Results:
+    """Rows of measurements; written to JSON as they come (a killed run keeps what it had)."""
+
+    def __init__(self, out_dir: str | None):
+        self.rows: list[dict] = []
+        self.path = os.path.join(out_dir, "bench_gpu.json") if out_dir else None
+
+    def add(self, section: str, variant: str, **values) -> dict:
+        row = {"section": section, "variant": variant, **values}
+        self.rows.append(row)
+        print("RESULT " + json.dumps(row), flush=True)
+        if self.path:
+            with open(self.path, "w") as f:
+                json.dump(self.rows, f, indent=1)
+        return row
+
+    def table(self) -> str:
+        cols = ["section", "variant", "ms", "tflops", "mfu_pct", "tokens_per_s", "note"]
+        lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        for row in self.rows:
+            cells = []
+            for c in cols:
+                v = row.get(c, "")
+                cells.append(f"{v:.4g}" if isinstance(v, float) else str(v))
+            lines.append("| " + " | ".join(cells) + " |")
+        return "\n".join(lines)

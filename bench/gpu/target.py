@@ -1,0 +1,93 @@
+"""Target hidden-state extraction: a random-weight Qwen3-8B-shaped transformers model in bf16.
+
+FLOPs counted: 2 * (decoder-layer parameters run) * tokens for the matrix products, plus causal
+attention 2 * S^2 * D * Hq per layer and sequence (QK^T and PV over the S^2/2 visible pairs).
+The LM head (logits_to_keep=1) and elementwise work are not counted.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+import fast_paths
+from common import QWEN3_8B, time_fn
+from target_model import Target
+
+
+def build_model(device, smoke: bool):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    shape = dict(QWEN3_8B)
+    if smoke:
+        shape.update(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=8,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    theta = shape.pop("rope_theta")
+    config = Qwen3Config(**shape, rope_parameters={"rope_type": "default", "rope_theta": theta},
+                         tie_word_embeddings=False, use_cache=False)
+    config._attn_implementation = "sdpa"
+    dtype = torch.float32 if smoke else torch.bfloat16
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Qwen3ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(old)
+    return model.requires_grad_(False).eval(), config
+
+
+def run(results, device, smoke, ceiling, batches=(4, 1), compile_layers=True):
+    model, config = build_model(device, smoke)
+    layers = model.model.layers
+    per_layer = sum(p.numel() for p in layers[0].parameters())
+    taps = [1, 9, 17, 25, 33] if not smoke else [1, 2, 3, 4, 5]
+    seq = 3072 if not smoke else 64
+    target = Target.__new__(Target)  # the project's extraction path on this model
+    target.model, target.config, target.devices, target.layer_ids = model, config, [device], taps
+
+    def flops(batch, layers_run):
+        attn = 2.0 * seq * seq * config.head_dim * config.num_attention_heads
+        return layers_run * batch * (2.0 * per_layer * seq + attn)
+
+    g = torch.Generator().manual_seed(0)
+    variants = [("project(mask,all layers)", False), ("fast(no mask, stop after last tap)", False)]
+    if compile_layers:
+        variants.append(("fast+compiled layers", True))
+    compiled = False
+    for name, want_compile in variants:
+        if want_compile and not compiled:
+            for layer in layers:
+                layer.compile(dynamic=False)
+            compiled = True
+        for batch in batches:
+            ids = torch.randint(0, config.vocab_size, (batch, seq), generator=g)
+            mask = torch.ones(batch, seq, dtype=torch.long)
+            if name.startswith("project"):
+                fn, run_layers = (lambda: target.context_features(ids, mask, device)), len(layers)
+            else:
+                ids_dev = ids.to(device)
+                fn = lambda: fast_paths.target_features(model, ids_dev, taps, device)  # noqa: E731
+                run_layers = max(taps) + 1
+            try:
+                first = time_fn(fn, device, warmup=0, iters=1)["ms"]
+                t = time_fn(fn, device, warmup=1, iters=3 if smoke else 6)
+                if name.startswith("fast"):  # same features as the project path (real tokens)
+                    ref = target.context_features(ids, mask, device).float()
+                    err = float((fn().float() - ref).norm() / ref.norm())
+                else:
+                    err = 0.0
+                f = flops(batch, run_layers)
+                results.add("target_extraction", f"{name} B={batch}", ms=t["ms"],
+                            tflops=f / t["ms"] / 1e9, mfu_pct=100 * f / t["ms"] / 1e9 / ceiling,
+                            tokens_per_s=batch * seq / t["ms"] * 1e3, first_call_ms=first,
+                            rel_err_vs_project=err, layers_run=run_layers,
+                            note=f"S={seq} taps={taps}")
+            except Exception as exc:
+                import traceback
+                traceback.print_exc()
+                results.add("target_extraction", f"{name} B={batch}",
+                            note=f"FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+    del model, target
+    gc.collect()

@@ -1,0 +1,175 @@
+"""GPU-speed pieces for drafter training; each computes exactly what the plain path computes.
+
+- `lm_head_loss`: the DFlash loss through the frozen LM head, chunked over the query tokens, with
+  the gradient computed during the forward (the LM head is frozen, so d loss / d hidden is known
+  once the loss is). The plain path materialises [B*N*bs, V] logits in bf16, then fp32, then the
+  log-softmax and its gradient (about 20 GB at V = 151936, 8192 tokens); this keeps one chunk.
+  The per-chunk softmax/gradient arithmetic is one compiled (fused) region on CUDA, behind
+  compile_safety's lock like every compiled call; eager elsewhere.
+- `FLEX_KERNEL_OPTIONS`: flex_attention kernel options measured on an H200 (bench/RESULTS.md).
+- `adamw`: AdamW with the fused CUDA kernel where the parameters are on CUDA.
+- `target_features`: the target's tapped hidden states without the padding mask (SDPA's causal
+  flash kernel instead of a materialised mask) and without the layers after the last tap.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+import compile_safety
+
+# Chunk rows so that one chunk's fp32 logits stay near 1 GiB (2048 rows at V = 151936).
+_CHUNK_ELEMENTS = 2048 * 151936
+
+# flex_attention kernel options for the DFlash mask at head_dim 128 on an H200 (bench/RESULTS.md;
+# empty = torch's defaults). Applied through compile_safety.configure_compile(kernel_options=...).
+FLEX_KERNEL_OPTIONS: dict = {}
+
+
+def _ce_chunk(logits, labels, token_weights, need_grad: bool):
+    """Weighted CE sum, argmax and (optionally) d(sum)/d(logits) for one chunk of bf16 logits."""
+    logits_f = logits.float()
+    lse = torch.logsumexp(logits_f, dim=-1)
+    target = logits_f.gather(1, labels[:, None]).squeeze(1)
+    loss = ((lse - target) * token_weights).sum()
+    argmax = logits.argmax(dim=-1)
+    if not need_grad:
+        return loss, argmax, None
+    probs = torch.exp(logits_f - lse[:, None])
+    onehot = torch.zeros_like(probs).scatter_(1, labels[:, None], 1.0)
+    grad = ((probs - onehot) * token_weights[:, None]).to(logits.dtype)
+    return loss, argmax, grad
+
+
+_compiled = {}
+_compiled_lock = threading.Lock()
+
+
+def _chunk_fn(device: torch.device, need_grad: bool):
+    """The compiled chunk function on CUDA (one per need_grad value), eager elsewhere."""
+    if device.type != "cuda" or not compile_safety.current_settings().enabled:
+        return lambda lg, lb, w: _ce_chunk(lg, lb, w, need_grad)
+    with _compiled_lock:
+        if need_grad not in _compiled:
+            def chunk(lg, lb, w, _need=need_grad):
+                return _ce_chunk(lg, lb, w, _need)
+            _compiled[need_grad] = compile_safety.safe_compile(
+                chunk, f"lm_head_ce_grad{int(need_grad)}", dynamic=False)
+        return _compiled[need_grad]
+
+
+class _LMHeadCE(torch.autograd.Function):
+    """sum_t w_t * CE(hidden_t @ W^T, label_t) with W frozen; grad wrt hidden made in forward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, token_weights, chunk: int):
+        rows = hidden.shape[0]
+        need_grad = ctx.needs_input_grad[0]
+        with torch.autocast(hidden.device.type, enabled=False):
+            return _LMHeadCE._run(ctx, hidden, weight, labels, token_weights, chunk, rows, need_grad)
+
+    @staticmethod
+    def _run(ctx, hidden, weight, labels, token_weights, chunk, rows, need_grad):
+        compute = hidden.to(weight.dtype)
+        fn = _chunk_fn(hidden.device, need_grad)
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        argmax = torch.empty(rows, dtype=torch.long, device=hidden.device)
+        grad_hidden = torch.empty_like(compute) if need_grad else None
+        for start in range(0, rows, chunk):
+            stop = min(start + chunk, rows)
+            logits = compute[start:stop] @ weight.t()
+            part, argmax[start:stop], grad_logits = fn(logits, labels[start:stop],
+                                                       token_weights[start:stop])
+            loss += part
+            if need_grad:
+                torch.matmul(grad_logits, weight, out=grad_hidden[start:stop])
+        ctx.hidden_dtype = hidden.dtype
+        ctx.save_for_backward(grad_hidden if need_grad else None)
+        ctx.mark_non_differentiable(argmax)
+        return loss, argmax
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_argmax):
+        (grad_hidden,) = ctx.saved_tensors
+        grad = (grad_hidden.float() * grad_loss).to(ctx.hidden_dtype)
+        return grad, None, None, None, None
+
+
+def lm_head_loss(hidden, lm_head_weight, labels, valid, gamma: float, chunk: int | None = None):
+    """Same result as dflash_model.dflash_loss(draft_logits(hidden, W, N, bs), labels, valid, gamma).
+
+    hidden [B, Q, H]; labels, valid [B, N, bs]; the LM head weight must be frozen.
+    """
+    import dflash_model as dm
+
+    if lm_head_weight.requires_grad:
+        raise ValueError("lm_head_loss needs a frozen LM head (weight.requires_grad is True)")
+    batch, num_blocks, block_size = labels.shape
+    weights = valid * dm.slot_weights(block_size, gamma, hidden.device)
+    token_weights = (weights / weights.sum().clamp(min=1e-6)).flatten().float()
+    if chunk is None:
+        chunk = max(1, _CHUNK_ELEMENTS // lm_head_weight.shape[0])
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    loss, argmax = _LMHeadCE.apply(flat, lm_head_weight, labels.flatten(), token_weights, chunk)
+    with torch.no_grad():
+        correct = (argmax.view_as(labels) == labels) & (valid > 0)
+        real_blocks = valid[:, :, 1] > 0
+        run = correct[:, :, 1:].long().cumprod(dim=-1).sum(dim=-1).float()
+        stats = {
+            "slot_correct": correct.float().sum(dim=(0, 1))[1:].tolist(),
+            "slot_count": valid.sum(dim=(0, 1))[1:].tolist(),
+            "accept_sum": float((1 + run)[real_blocks].sum()),
+            "blocks": int(real_blocks.sum()),
+        }
+    return loss, stats
+
+
+def adamw(params, **kwargs) -> torch.optim.AdamW:
+    """AdamW; the fused CUDA kernel (one launch per step) when every parameter is on CUDA."""
+    params = list(params)
+    fused = bool(params) and all(p.is_cuda for p in params)
+    return torch.optim.AdamW(params, fused=fused, **kwargs) if fused else \
+        torch.optim.AdamW(params, **kwargs)
+
+
+class _StopForward(Exception):
+    pass
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    return model.model.layers
+
+
+@torch.no_grad()
+def target_features(model, input_ids, layer_ids, out_device) -> torch.Tensor:
+    """Same features as target_model.Target.context_features for every real token.
+
+    Batches are right-padded (dflash_data.collate), so under the plain causal mask a real token
+    sees exactly what it saw with the padding mask; only pad positions differ, and nothing reads
+    them (anchors are real tokens and a block sees context strictly before its anchor). The
+    forward stops after the last tapped layer: the layers after it do not change the taps.
+    """
+    layers = decoder_layers(model)
+    captured: dict[int, torch.Tensor] = {}
+    last = max(layer_ids)
+
+    def hook(index):
+        def capture(module, args, output):
+            captured[index] = output[0] if isinstance(output, tuple) else output
+            if index == last:
+                raise _StopForward
+        return capture
+
+    handles = [layers[i].register_forward_hook(hook(i)) for i in sorted(set(layer_ids))]
+    try:
+        model.model(input_ids=input_ids, use_cache=False)
+    except _StopForward:
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    if last == len(layers) - 1:  # hidden_states[-1] is taken after the final norm
+        captured[last] = model.model.norm(captured[last])
+    return torch.cat([captured[i].to(out_device) for i in layer_ids], dim=-1)

@@ -273,6 +273,18 @@ def _start_sshd(hdir: Path, name: str):
     port = _read_int(hdir / "port")
     if port is None or not _port_free(port):  # keep the old port (and inventory) when we can
         port = _free_port()
+    for _attempt in range(3):  # another process may take a free port before sshd binds it
+        error = _try_sshd(hdir, name, port)
+        if error is None:
+            return
+        if "Cannot bind" not in error and "Address already in use" not in error:
+            break
+        port = _free_port()
+    raise SandboxError(f"{name}: sshd did not start on 127.0.0.1:{port}: {error}")
+
+
+def _try_sshd(hdir: Path, name: str, port: int):
+    """Start sshd on `port`; None once it listens, else the last line of its log."""
     (hdir / "port").write_text(f"{port}\n")
     config = hdir / "sshd_config"
     config.write_text(_sshd_config(hdir, port))
@@ -281,6 +293,7 @@ def _start_sshd(hdir: Path, name: str):
         raise SandboxError(f"{name}: sshd refused its config: {check.stderr.strip()}")
     (hdir / "sshd.pid").unlink(missing_ok=True)
     log = hdir / "sshd.log"
+    log.unlink(missing_ok=True)
     env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8", MARKER: str(hdir)}
     proc = subprocess.Popen([SSHD, "-D", "-f", str(config), "-E", str(log)], env=env, start_new_session=True,
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -289,9 +302,12 @@ def _start_sshd(hdir: Path, name: str):
     while _read_int(hdir / "sshd.pid") != proc.pid:  # sshd writes its pid file once it listens
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
+            proc.wait()
+            _CHILDREN.pop(proc.pid, None)
             tail = log.read_text().strip().splitlines()[-1:] if log.exists() else []
-            raise SandboxError(f"{name}: sshd did not start on 127.0.0.1:{port}: {' '.join(tail) or 'no log'}")
+            return " ".join(tail) or "no log"
         time.sleep(0.01)
+    return None
 
 
 _CHILDREN: dict = {}  # sshd processes started by this process, reaped by down() (no zombies in ps)

@@ -5,6 +5,7 @@ import random
 import shlex
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import paramiko
@@ -211,9 +212,14 @@ def test_stop_kills_every_process_and_start_gives_fresh_tmp(private):
 def test_down_leaves_no_process_behind(private):
     state = str(private.state_dir)
     sshd_pid = private.host("pve1").sshd_pid
+    on_host, in_container = unique_sleep(), unique_sleep()
+    code, _, err = ssh(private, f"setsid -f {on_host} </dev/null >/dev/null 2>&1; "
+                                f"pct exec 301 -- setsid -f {in_container} </dev/null >/dev/null 2>&1")
+    assert code == 0 and host_pids_running(on_host) and host_pids_running(in_container), err
     client = paramiko_client(private)  # an open session must not survive down() either
     sandbox_mod.down(state)
     client.close()
+    assert not host_pids_running(on_host) and not host_pids_running(in_container)
     ps = subprocess.run(["ps", "-eo", "pid,stat,args"], capture_output=True, text=True).stdout
     assert state not in ps
     assert not os.path.exists(f"/proc/{sshd_pid}")
@@ -222,6 +228,16 @@ def test_down_leaves_no_process_behind(private):
     after = sandbox_mod.status(state)
     assert after.host("pve1").sshd_pid is None
     assert set(after.host("pve1").containers.values()) == {"stopped"}
+    assert sandbox_mod.down(state).changed == ()  # a second down has nothing left to do
+
+
+def test_up_refuses_to_run_without_root(tmp_path):
+    as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
+                 f"from dflash_ops import sandbox; sandbox.up({str(tmp_path)!r}, inventory_path=None)"]
+    p = subprocess.run(as_nobody, capture_output=True, text=True, cwd=Path(sandbox_mod.__file__).parents[1])
+    assert p.returncode == 1
+    assert p.stderr.strip().splitlines()[-1] == (
+        "dflash_ops.sandbox.SandboxError: the embedded host needs root (sshd, bubblewrap namespaces): run it as root")
 
 
 def _environ(pid):

@@ -45,7 +45,7 @@ SIGNATURES: tuple[Signature, ...] = (
          r"CUDA driver version is insufficient", r"Found no NVIDIA driver",
          r"undefined symbol: .*(?:torch|cuda|c10)", r"libcudart\.so.*cannot open shared object file"),
     _sig("slow-compile", "compile stuck or recompiling", "slow-compile.md",
-         r"(?:recompile|cache_size)_limit reached", r"compile fallback\(s\)"),
+         r"torch\._dynamo hit config\.(?:recompile|cache_size)_limit", r"compile fallback\(s\)"),
 )
 
 # States reported by `status` that have their own runbook (not log lines).

@@ -1,0 +1,152 @@
+"""The invoke CLI as users type it, with --dry-run: invocation-wide --ct, refused inputs, and the exact
+launch line, which a real shell runs here (with a `pct` stand-in that runs the container side on this
+machine) to show that hostile --set values arrive literally and execute nothing."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dflash_ops import jobs
+from dflash_ops.errors import UsageError
+
+REPO = Path(__file__).resolve().parents[2]
+INVOKE = [sys.executable, "-m", "invoke"]
+HOSTILE = ["$(touch {m}/dollar)", "`touch {m}/backtick`", "x; touch {m}/semicolon", "' ; touch {m}/quote '",
+           '"$(touch {m}/dquote)"', "a\ntouch {m}/newline", "| touch {m}/pipe", "*", "$HOME", "-x",
+           "ünïcødé", "\\", "L" * 5000]
+
+
+def write_inventory(path: Path, root: Path, pct: str = "pct", default=201) -> Path:
+    """Two containers on one loopback host whose port nothing listens on: a connection would fail."""
+    def container(ct):
+        base = root / str(ct)
+        return {"host": "pve1", "roles": {"target": ["cpu"], "drafter": ["cpu", "cpu"]},
+                "paths": {"venv": str(base / "venv"), "code": str(base / "code"), "runs": str(base / "runs"),
+                          "model": str(base / "model")},
+                "train_config": "configs/tiny-cpu.yaml"}
+    inv = {"default_container": default,
+           "hosts": {"pve1": {"address": "127.0.0.1", "port": 9, "known_hosts": str(root / "known_hosts"),
+                              "pct": pct}},
+           "containers": {200: container(200), 201: container(201)}}
+    path.write_text(yaml.safe_dump(inv))
+    return path
+
+
+def invoke(*args, inventory: Path, check=True):
+    r = subprocess.run([*INVOKE, *args, "--inventory", str(inventory)], cwd=REPO, capture_output=True,
+                       text=True, timeout=60)
+    if check:
+        assert r.returncode == 0, r.stderr
+    return r
+
+
+@pytest.fixture
+def inventory(tmp_path):
+    return write_inventory(tmp_path / "inv.yaml", tmp_path)
+
+
+def test_one_ct_for_every_task_of_the_invocation(inventory):
+    r = invoke("warmup", "train", "--run", "r1", "--ct", "200", "--dry-run", inventory=inventory)
+    lines = [line for line in r.stdout.splitlines() if line.startswith(("pct ", "'pct' "))]
+    assert len(lines) == 2, r.stdout
+    assert all(line.startswith("pct exec 200 -- ") for line in lines)
+    assert "warmup_compile.py" in r.stdout and "train_dflash.py" in r.stdout
+    assert "/201/" not in r.stdout  # the default container (201) was not used by either task
+
+
+def test_ct_given_to_the_first_task_applies_to_the_later_ones(inventory):
+    r = invoke("status", "--ct", "200", "stop", "--run", "r1", "--dry-run", inventory=inventory)
+    assert r.stdout.count("pct exec 200 -- ") == 2 and "pct exec 201" not in r.stdout
+
+
+def test_two_different_ct_values_are_an_error(inventory):
+    r = invoke("warmup", "--ct", "200", "train", "--ct", "201", "--dry-run", inventory=inventory, check=False)
+    assert r.returncode == 2
+    assert "conflicting values" in r.stderr and "--ct 200" in r.stderr and "--ct 201" in r.stderr
+    assert "pct exec" not in r.stdout  # refused before anything is printed or run
+
+
+@pytest.mark.parametrize("name", ["../x", "a;b", "$(id)", "a\nb", "x" * 65, ".hidden", "-rf", "a b", "", "a/b"])
+def test_hostile_run_names_are_refused(name):
+    with pytest.raises(UsageError, match="a run name is 1-64 characters"):
+        jobs.validate_run_name(name)
+
+
+def test_hostile_run_name_through_the_cli(inventory):
+    r = invoke("train", "--run", "$(touch /tmp/x)", "--dry-run", inventory=inventory, check=False)
+    assert r.returncode == 2 and "a run name is" in r.stderr and r.stdout == ""
+
+
+def test_good_run_names_and_the_default():
+    for name in ("tiny", "run-1.2_b", "A" * 64, "20260101-120000"):
+        assert jobs.validate_run_name(name) == name
+    assert len(jobs.default_run_name()) == len("20260101-120000")
+
+
+@pytest.mark.parametrize("value", ["noequals", "a;b=1", "=1", "a..b=1", "$(id)=1"])
+def test_malformed_set_is_refused(value, inventory):
+    r = invoke("train", "--run", "r1", "--set", value, "--dry-run", inventory=inventory, check=False)
+    assert r.returncode == 2 and "expected key=value" in r.stderr
+
+
+def test_every_task_documents_itself_and_each_flag():
+    for task, flags in {"warmup": ["--config", "--set"], "train": ["--run", "--config", "--set", "--max-steps"],
+                        "logs": ["--run", "-n", "--follow"], "status": ["--run", "--json", "--stall-after"],
+                        "stop": ["--run", "--grace"]}.items():
+        r = subprocess.run([*INVOKE, "--help", task], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0
+        options = r.stdout.split("Options:")[1]
+        for flag in flags + ["--dry-run", "--ct", "--inventory"]:
+            line = next(ln for ln in options.splitlines() if re.search(rf"(^|\s){flag}(=|,|\s|$)", ln))
+            assert len(re.split(r"\s{2,}", line.strip())) >= 2, f"{task} {flag} has no help text"
+
+
+def test_hostile_set_values_arrive_literally_and_execute_nothing(tmp_path):
+    """The dry-run line of `invoke train` is run by a real shell; `pct` runs the container side here."""
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    pct = tmp_path / "pct"
+    pct.write_text('#!/bin/sh\n[ "$1" = exec ] || exit 99\nshift 3\nexec "$@"\n')  # drop `exec <id> --`
+    pct.chmod(0o755)
+    inventory = write_inventory(tmp_path / "inv.yaml", tmp_path, pct=str(pct), default=200)
+    code, venv = tmp_path / "200" / "code", tmp_path / "200" / "venv"
+    (code / "configs").mkdir(parents=True)
+    (code / "configs" / "tiny-cpu.yaml").write_text("train: {}\n")
+    (code / "train_dflash.py").write_text("")
+    (venv / "bin").mkdir(parents=True)
+    argv_file = tmp_path / "argv.json"
+    # The training process stand-in records its argv and stays alive past the launch's check.
+    (venv / "bin" / "python").write_text(
+        f"#!{sys.executable}\nimport json, sys, time\n"
+        f"json.dump(sys.argv[1:], open({str(argv_file)!r}, 'w'))\ntime.sleep(4)\n")
+    (venv / "bin" / "python").chmod(0o755)
+    values = [v.format(m=markers) for v in HOSTILE]
+    sets = [arg for v in values for arg in ("--set", f"data.assistant_header={v}")]
+    r = invoke("train", "--run", "hostile", *sets, "--max-steps", "3", "--dry-run", inventory=inventory)
+    line = r.stdout
+    assert line.startswith(f"{pct} exec 200 -- env -i -C {code} -- ")
+    run = subprocess.run(["bash", "-c", line], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.startswith("started "), run.stdout
+    argv = json.loads(argv_file.read_text())
+    got = [a.removeprefix("--set=data.assistant_header=") for a in argv if a.startswith("--set=data.assistant")]
+    assert got == values
+    assert argv[-1] == "--max-steps=3" and f"--run-dir={tmp_path}/200/runs/hostile" in argv
+    assert list(markers.iterdir()) == []
+    run_dir = tmp_path / "200" / "runs" / "hostile"
+    assert json.loads((run_dir / "launch.json").read_text())["sets"] == [f"data.assistant_header={v}" for v in values]
+    pgid = int((run_dir / "pgid").read_text())
+    os.killpg(pgid, signal.SIGTERM)
+    for _ in range(100):  # the wrapper records how its process ended
+        if (run_dir / "exit_code").exists():
+            break
+        time.sleep(0.1)
+    assert (run_dir / "exit_code").read_text().strip() in ("signal 15", "0")

@@ -164,11 +164,42 @@ def down(state_dir=None, *, purge=False) -> Sandbox:
         killed = _kill_host_processes(host)
         if host.sshd_pid or killed:
             changed.append(f"{host.name}: sshd and {len(killed)} process(es) stopped")
+    _stop_watcher(state)
     if purge and state.exists():
         shutil.rmtree(state)
         changed.append(f"removed {state}")
     result = _inspect(state)
     return Sandbox(**{**result.__dict__, "changed": tuple(changed)})
+
+
+def watch(state_dir, pid: int) -> int:
+    """Take the sandbox down once process `pid` ends, in case it dies before its own teardown (a test
+    session killed by a timeout). down() ends the watcher; returns the watcher's pid."""
+    state = Path(state_dir).resolve()
+    _stop_watcher(state)
+    script = ('tail --pid="$1" -f /dev/null; exec "$2" -c "import sys; sys.path.insert(0, sys.argv[1]); '
+              'from dflash_ops import sandbox; sandbox.down(sys.argv[2])" "$3" "$4"')
+    proc = subprocess.Popen(["/bin/sh", "-c", script, "sandbox-watch", str(pid), sys.executable, str(REPO), str(state)],
+                            start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    _CHILDREN[proc.pid] = proc
+    (state / "watcher.pid").write_text(f"{proc.pid}\n")
+    return proc.pid
+
+
+def _stop_watcher(state: Path):
+    pid = _read_int(state / "watcher.pid")
+    if pid is None or pid == os.getpid():  # the watcher itself is running this down()
+        return
+    if "sandbox-watch" in _cmdline(pid):
+        try:
+            os.killpg(pid, signal.SIGKILL)  # the watcher leads its own group: sh and its tail
+        except ProcessLookupError:
+            pass
+    proc = _CHILDREN.pop(pid, None)
+    if proc is not None:
+        proc.wait()
+    (state / "watcher.pid").unlink(missing_ok=True)
 
 
 def status(state_dir=None) -> Sandbox:

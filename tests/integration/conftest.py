@@ -20,7 +20,9 @@ def bring_up(state_dir, **layout):
     """A sandbox in `state_dir`, its inventory next to its state; skipped (not failed) without root."""
     if os.geteuid() != 0:
         pytest.skip("the embedded host needs root (sshd, bubblewrap namespaces)")
-    return sandbox_mod.up(state_dir, inventory_path=os.path.join(state_dir, "sandbox.yaml"), **layout)
+    sb = sandbox_mod.up(state_dir, inventory_path=os.path.join(state_dir, "sandbox.yaml"), **layout)
+    sandbox_mod.watch(sb.state_dir, os.getpid())  # a session killed before teardown leaves nothing running
+    return sb
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import paramiko
@@ -229,6 +230,27 @@ def test_down_leaves_no_process_behind(private):
     assert after.host("pve1").sshd_pid is None
     assert set(after.host("pve1").containers.values()) == {"stopped"}
     assert sandbox_mod.down(state).changed == ()  # a second down has nothing left to do
+
+
+def test_a_session_killed_before_teardown_still_takes_its_sandbox_down(tmp_path):
+    state = str(tmp_path / "state")
+    session = ("import os, time; from dflash_ops import sandbox; "
+               f"sb = sandbox.up({state!r}, inventory_path=None); sandbox.watch(sb.state_dir, os.getpid()); "
+               "print(sb.host('pve1').sshd_pid, flush=True); time.sleep(600)")
+    proc = subprocess.Popen([sys.executable, "-c", session], stdout=subprocess.PIPE, text=True,
+                            cwd=Path(sandbox_mod.__file__).parents[1])
+    sshd_pid = int(proc.stdout.readline())
+    proc.kill()
+    proc.wait()
+    for _ in range(3000):  # the watcher notices within about a second, then runs down()
+        if not [p for p in os.listdir("/proc") if p.isdigit() and state in _cmdline(p)]:
+            break
+        time.sleep(0.01)
+    assert not os.path.exists(f"/proc/{sshd_pid}")
+    after = sandbox_mod.status(state)
+    assert after.host("pve1").sshd_pid is None
+    assert after.host("pve1").containers == {200: "stopped"}
+    assert state not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
 
 
 def test_up_refuses_to_run_without_root(tmp_path):

@@ -425,7 +425,7 @@ class WarmupProgress(LineSink):
         m = SHAPE_DONE.search(line)
         if m:
             worker = int(m["worker"])
-            device = self.devices[worker] if worker < len(self.devices) else f"worker {worker}"
+            device = f"drafter {worker} ({self.devices[worker] if worker < len(self.devices) else '?'})"
             self.done.setdefault(device, []).append((m["kind"], float(m["s"])))
             shapes = ", ".join(f"{k} {s:.1f} s" for k, s in self.done[device])
             total = sum(len(v) for v in self.done.values())

@@ -67,6 +67,8 @@ class LogPrinter(jobs.LineSink):
 
     def line(self, line: str) -> None:
         out = self.out or sys.stdout
+        if line == "^C":  # the pty's echo of our Ctrl-C
+            return
         if line.startswith(MARK):
             rest = line[len(MARK):].strip()
             if rest.startswith("run ") and self.run is None:

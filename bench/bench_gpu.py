@@ -23,7 +23,7 @@ import torch  # noqa: E402
 
 from common import Results, time_fn  # noqa: E402
 
-SECTIONS = ["probe", "matmul", "attention", "drafter", "target"]
+SECTIONS = ["probe", "matmul", "attention", "drafter", "target"]  # + "pipeline" (issue 6)
 
 
 def probe(results, device):
@@ -82,6 +82,12 @@ def main() -> int:
     parser.add_argument("--drafter-variants", default="project,fast,fast+tuned")
     parser.add_argument("--drafter-27b-variants", default="project,fast")
     parser.add_argument("--no-target-compile", action="store_true")
+    parser.add_argument("--pipeline-kind", default="4b", help="target class: 4b or 8b")
+    parser.add_argument("--launches", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--parallel", type=int, default=2, help="cold launches at a time")
+    parser.add_argument("--budget-s", type=float, default=540.0)
+    parser.add_argument("--work", default="/dev/shm/dflash-bench", help="pipeline scratch dir")
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda:0"
     if args.smoke:
@@ -95,7 +101,7 @@ def main() -> int:
 
     if "probe" in only:
         probe(results, device)
-    ceiling = matmul(results, device, args.smoke)
+    ceiling = matmul(results, device, args.smoke) if only - {"probe", "pipeline"} else None
     best = None
     if "attention" in only:
         import attention
@@ -119,6 +125,10 @@ def main() -> int:
                         "27b-class(H5120,hd256)",
                         [v for v in args.drafter_27b_variants.split(",") if v], args.smoke,
                         cache_dir, ceiling, options)
+    if "pipeline" in only:
+        import pipeline
+        pipeline.run(results, args.work, args.out, args.smoke, args.pipeline_kind, args.launches,
+                     args.steps, args.parallel, args.budget_s)
     print("\n" + results.table(), flush=True)
     return 0
 

@@ -113,17 +113,7 @@ def lm_head_loss(hidden, lm_head_weight, labels, valid, gamma: float, chunk: int
         chunk = max(1, _CHUNK_ELEMENTS // lm_head_weight.shape[0])
     flat = hidden.reshape(-1, hidden.shape[-1])
     loss, argmax = _LMHeadCE.apply(flat, lm_head_weight, labels.flatten(), token_weights, chunk)
-    with torch.no_grad():
-        correct = (argmax.view_as(labels) == labels) & (valid > 0)
-        real_blocks = valid[:, :, 1] > 0
-        run = correct[:, :, 1:].long().cumprod(dim=-1).sum(dim=-1).float()
-        stats = {
-            "slot_correct": correct.float().sum(dim=(0, 1))[1:].tolist(),
-            "slot_count": valid.sum(dim=(0, 1))[1:].tolist(),
-            "accept_sum": float((1 + run)[real_blocks].sum()),
-            "blocks": int(real_blocks.sum()),
-        }
-    return loss, stats
+    return loss, dm.prediction_stats(argmax.view_as(labels), labels, valid)
 
 
 def adamw(params, **kwargs) -> torch.optim.AdamW:

@@ -65,12 +65,22 @@ class Results:
         return row
 
     def table(self) -> str:
-        cols = ["section", "variant", "ms", "tflops", "mfu_pct", "tokens_per_s", "note"]
+        cols = ["section", "variant", "ms", "tflops", "mfu_pct", "tokens_per_s", "details"]
+        keys = ["fwd_ms", "bwd_ms", "fwd_tflops", "bwd_tflops", "rel_err_out_dq_dk_dv",
+                "out_vs_sdpa", "rel_err_vs_project", "peak_gib", "first_step_s", "rc", "hung",
+                "reached_step", "cold_s", "warm_s", "ratio", "gpu_util_mean", "gpu_samples",
+                "lock_wait_s_per_step", "note"]
         lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         for row in self.rows:
+            row = dict(row, details=" ".join(
+                f"{k}={_fmt(row[k])}" for k in keys if row.get(k) not in (None, "")))
             cells = []
             for c in cols:
                 v = row.get(c, "")
                 cells.append(f"{v:.4g}" if isinstance(v, float) else str(v))
             lines.append("| " + " | ".join(cells) + " |")
         return "\n".join(lines)
+
+
+def _fmt(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)

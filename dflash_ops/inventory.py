@@ -19,7 +19,8 @@ from .errors import InventoryError
 DEFAULT_INVENTORY = "inventory/production.yaml"
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY", re.IGNORECASE)
+# Whole words of a variable name: HF_TOKEN and DB_PASSWORD are secrets, TOKENIZERS_PARALLELISM is not.
+SECRET_NAME = re.compile(r"(^|_)(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|PRIVATE_KEY)(_|$)", re.IGNORECASE)
 MIN_CTID, MAX_CTID = 100, 999_999_999  # Proxmox VMIDs
 
 

@@ -130,3 +130,10 @@ def test_production_layout_matches_container_200():
     assert ct.paths.venv == "/root/venv" and ct.paths.model == "/dev/shm/Qwen3.6-27B"
     assert ct.env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     assert ct.env["CUDA_MODULE_LOADING"] == "LAZY"
+
+
+def test_secret_names_are_whole_words():
+    data = edited(["containers", 200, "env"], {"HF_TOKEN": "hf_abc", "DB_PASSWORD": "pw1",
+                                              "TOKENIZERS_PARALLELISM": "false", "MY_SECRET_X": "s3"})
+    ct = parse_inventory(data, "inv.yaml").container(200)
+    assert sorted(ct.secret_values()) == ["hf_abc", "pw1", "s3"]

@@ -45,6 +45,15 @@ def host_pids_running(cmdline):
     return [p for p in os.listdir("/proc") if p.isdigit() and _cmdline(p) == cmdline]
 
 
+def wait_for(condition):
+    """Poll (up to ~20 s) for something another process is about to do."""
+    for _ in range(2000):
+        if condition():
+            return
+        time.sleep(0.01)
+    raise AssertionError("condition never became true")
+
+
 def _cmdline(pid):
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
@@ -191,6 +200,7 @@ def test_detached_job_survives_the_ssh_session(private):
         assert stdout.channel.recv_exit_status() == 0
     finally:
         client.close()
+    wait_for(lambda: host_pids_running(sleep))  # setsid -f returns before its child has exec'd
     code, out, _ = ssh(private, "pct exec 300 -- ps -eo args")
     assert sleep in out.splitlines()
     assert len(host_pids_running(sleep)) == 1
@@ -202,12 +212,34 @@ def test_stop_kills_every_process_and_start_gives_fresh_tmp(private):
                                 f"pct exec 300 -- setsid -f sh -c '{sleeps[1]}; true' </dev/null >/dev/null 2>&1; "
                                 "pct exec 300 -- sh -c 'echo t > /tmp/t; echo s > /dev/shm/s; echo r > /root/r'")
     assert code == 0, err
-    assert all(host_pids_running(s) for s in sleeps)
+    wait_for(lambda: all(host_pids_running(s) for s in sleeps))
     code, out, err = ssh(private, "pct stop 300 && pct status 300")
     assert (code, out.strip()) == (0, "status: stopped"), err
     assert not any(host_pids_running(s) for s in sleeps)
     code, out, err = ssh(private, "pct start 300 && pct exec 300 -- sh -c 'ls -A /tmp /dev/shm; cat /root/r'")
     assert (code, out.split()) == (0, ["/dev/shm:", "/tmp:", "r"]), err  # both empty
+
+
+def test_ctrl_c_on_a_pty_and_sigterm_to_pct_end_the_command(private):
+    client = paramiko_client(private)
+    try:
+        sleep = unique_sleep()
+        channel = client.get_transport().open_session()
+        channel.get_pty()
+        channel.exec_command(f"pct exec 300 -- {sleep}")
+        wait_for(lambda: host_pids_running(sleep))
+        channel.send(b"\x03")
+        assert channel.recv_exit_status() == 128 + 2
+        sleep = unique_sleep()
+        channel = client.get_transport().open_session()
+        channel.exec_command(f"pct exec 300 -- {sleep}")
+        wait_for(lambda: host_pids_running(sleep))
+        pct = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline(p).endswith(f"pct exec 300 -- {sleep}")]
+        os.kill(int(pct[0]), 15)  # as a host-side supervisor would: the container's command goes too
+        assert channel.recv_exit_status() == 128 + 15
+        assert not host_pids_running(sleep)
+    finally:
+        client.close()
 
 
 def test_down_leaves_no_process_behind(private):
@@ -216,7 +248,8 @@ def test_down_leaves_no_process_behind(private):
     on_host, in_container = unique_sleep(), unique_sleep()
     code, _, err = ssh(private, f"setsid -f {on_host} </dev/null >/dev/null 2>&1; "
                                 f"pct exec 301 -- setsid -f {in_container} </dev/null >/dev/null 2>&1")
-    assert code == 0 and host_pids_running(on_host) and host_pids_running(in_container), err
+    assert code == 0, err
+    wait_for(lambda: host_pids_running(on_host) and host_pids_running(in_container))
     client = paramiko_client(private)  # an open session must not survive down() either
     sandbox_mod.down(state)
     client.close()

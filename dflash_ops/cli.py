@@ -12,12 +12,15 @@ import functools
 import inspect
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import invoke
 from invoke import Exit
+from rich.console import Console
+from rich.table import Table
 
-from .errors import DflashOpsError, UsageError
+from .errors import ConnectError, DflashOpsError, FanOutFailed, UsageError
 from .inventory import Container, Inventory, load_inventory
 from .transport import HostSession
 
@@ -124,6 +127,62 @@ def target(c, ct=None, inventory=None, dry_run=False) -> Target:
 def targets(c, ct=None, group=None, inventory=None, dry_run=False) -> list[Target]:
     inv = load_inventory(inventory_path(c, inventory))
     return [Target(inv, ct_, session_for(inv, ct_, dry_run), dry_run) for ct_ in inv.select(ct, group)]
+
+
+@dataclass
+class Outcome:
+    """One container's result in a fan-out."""
+
+    label: str
+    ok: bool
+    detail: str
+
+
+def for_each(c, action, ct=None, group=None, inventory=None, dry_run=False, title="result"):
+    """Run `action(target) -> str | None` on every selected container; one row per container.
+
+    One container (no --group): plain behaviour, errors propagate as for any task. Several:
+    hosts run in parallel (one thread and one SSH connection per host), containers of one host
+    in order; a failing container or host never hides the others' rows; the exit code says
+    whether all succeeded.
+    """
+    chosen = targets(c, ct, group, inventory, dry_run)
+    if len(chosen) == 1 and not group:
+        action(chosen[0])
+        return [Outcome(chosen[0].container.label, True, "")]
+    by_host: dict[str, list[Target]] = {}
+    for t in chosen:
+        by_host.setdefault(t.container.host.name, []).append(t)
+
+    def run_host(host_targets):
+        rows, host_down = [], None
+        for t in host_targets:
+            if host_down is not None:
+                rows.append(Outcome(t.container.label, False, host_down))
+                continue
+            try:
+                rows.append(Outcome(t.container.label, True, action(t) or "ok"))
+            except ConnectError as exc:
+                host_down = str(exc)
+                rows.append(Outcome(t.container.label, False, host_down))
+            except DflashOpsError as exc:
+                rows.append(Outcome(t.container.label, False, str(exc)))
+            except Exception as exc:  # one container's bug must not hide the other rows
+                rows.append(Outcome(t.container.label, False, f"{type(exc).__name__}: {exc}"))
+        return rows
+
+    with ThreadPoolExecutor(max_workers=len(by_host)) as pool:
+        outcomes = [row for rows in pool.map(run_host, by_host.values()) for row in rows]
+    table = Table(title=title)
+    for column in ("container", "ok", "detail"):
+        table.add_column(column)
+    for o in outcomes:
+        table.add_row(o.label, "[green]yes[/]" if o.ok else "[red]NO[/]", o.detail)
+    Console().print(table)
+    failed = [o.label for o in outcomes if not o.ok]
+    if failed:
+        raise FanOutFailed(f"{len(failed)} of {len(outcomes)} containers failed: {', '.join(failed)}")
+    return outcomes
 
 
 def reports_errors(fn):

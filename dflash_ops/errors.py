@@ -78,3 +78,9 @@ class RunStateError(DflashOpsError):
     """A run is (or is not) alive when the task needs the opposite."""
 
     exit_code = 6
+
+
+class FanOutFailed(DflashOpsError):
+    """At least one container of a fan-out failed (each one's row says why)."""
+
+    exit_code = 8

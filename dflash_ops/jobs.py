@@ -94,12 +94,13 @@ for f in "$1" "$2"; do
   [ -e "$f" ] || { echo "dflash: $f is missing in the container" >&2; exit 77; }
 done
 [ -f "$config" ] || { echo "dflash: config $config not found in the container" >&2; exit 78; }
-mkdir -p -- "$dir" || exit 79
+mkdir -p -- "$runs" || exit 79
 exec 9>>"$runs/.lock"
 if ! flock -w 2 9; then
   if flock -n -s "$runs/.lock" true; then echo "busy-warmup"; else echo "busy $(cat "$runs/.current" 2>/dev/null)"; fi
   exit 75
 fi
+mkdir -p -- "$dir" || exit 79
 rm -f -- "$dir/exit_code" "$dir/stopped" "$dir/pid" "$dir/pgid" "$dir/ended"
 printf '%s\n' "$launch" > "$dir/launch.json"
 printf '%s\n' "$envtext" > "$dir/env"
@@ -249,10 +250,14 @@ class Launch:
 
 def launch_argv(ct: Container, name: str, config: str | None = None, sets: Sequence[str] = (),
                 max_steps: int | None = None, settle: float = LAUNCH_SETTLE_S,
-                now: _dt.datetime | None = None) -> tuple[list[str], list[str]]:
-    """(container argv of the launch script, training argv). Pure."""
+                now: _dt.datetime | None = None, launcher: Sequence[str] = ()) -> tuple[list[str], list[str]]:
+    """(container argv of the launch script, training argv). Pure.
+
+    `launcher`: a script and its options that the python runs instead, the training script's
+    argv after them (multi-node training's torchrun: multinode.launcher_args)."""
     directory = run_dir(ct, name)
     train = payload_argv(ct, TRAIN_SCRIPT, config, sets, run_dir=directory, max_steps=max_steps)
+    train[1:1] = list(launcher)
     record = {
         "run": name, "container": ct.ctid, "host": ct.host.name, "argv": train,
         "config": config_path(ct, config), "sets": list(sets), "inventory_sets": inventory_sets(ct),
@@ -270,11 +275,11 @@ def launch_argv(ct: Container, name: str, config: str | None = None, sets: Seque
 # --- remote operations -------------------------------------------------------------------------------
 
 def launch(t, run: str | None = None, config: str | None = None, sets: Sequence[str] = (),
-           max_steps: int | None = None) -> Launch:
+           max_steps: int | None = None, launcher: Sequence[str] = ()) -> Launch:
     """Start a detached training run (one round trip); refuse while another run is alive."""
     ct = t.container
     name = validate_run_name(run) if run is not None else default_run_name()
-    argv, train = launch_argv(ct, name, config, sets, max_steps)
+    argv, train = launch_argv(ct, name, config, sets, max_steps, launcher=launcher)
     result = t.session.exec(ct, argv, env=ct.run_env(), cwd=ct.paths.code, check=False)
     out = Launch(run=name, run_dir=run_dir(ct, name), argv=train)
     if t.dry_run:

@@ -1,0 +1,106 @@
+"""invoke logs against the embedded host: last lines, --follow to the end across a truncated log,
+Ctrl-C and a dropped connection leave nothing in the container, known failures are highlighted."""
+
+import os
+import signal
+
+import pytest
+
+from training_runs import deploy
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def deployed(sandbox):
+    d = deploy(sandbox)
+    yield d
+    d.stop_any()
+
+
+@pytest.fixture(scope="module")
+def live_run(deployed):
+    deployed.train("followed", "--max-steps", "400")
+    return "followed"
+
+
+def follower_processes(deployed):
+    return [p for p in deployed.processes() if p.startswith("tail ") or "run_alive()" in p]
+
+
+def start_following(deployed, run):
+    p = deployed.popen("logs", "--follow", "--run", run, "-n", "5")
+    assert p.stdout.readline().strip() == f"==> dflash-ops: run {run}"
+    assert p.stdout.readline()  # a log line came through
+    deployed.wait_for("the follower in the container", lambda: follower_processes(deployed))
+    return p
+
+
+def test_ctrl_c_stops_following_and_leaves_no_tail(deployed, live_run):
+    p = start_following(deployed, live_run)
+    p.send_signal(signal.SIGINT)  # what Ctrl-C in a terminal sends
+    out = p.communicate(timeout=60)[0]
+    assert p.returncode == 0, out
+    assert "stopped following; the run goes on" in out
+    deployed.wait_for("the follower to be gone", lambda: not follower_processes(deployed), timeout=30)
+    assert deployed.status(live_run)["state"] == "running"
+
+
+def test_dropped_connection_exits_with_a_message_and_leaves_no_tail(deployed, live_run):
+    p = start_following(deployed, live_run)
+    session = sshd_session_of(deployed)
+    os.kill(session, signal.SIGKILL)  # the SSH connection drops
+    out = p.communicate(timeout=60)[0]
+    assert p.returncode == 3, out
+    assert "the connection was lost" in out and "invoke logs --follow" in out
+    deployed.wait_for("the follower to be gone", lambda: not follower_processes(deployed), timeout=30)
+    assert deployed.status(live_run)["state"] == "running"
+
+
+def test_follow_keeps_up_across_truncation_and_ends_with_the_run(deployed, live_run):
+    p = start_following(deployed, live_run)
+    deployed.container("sh", "-c", f"cp /root/runs/{live_run}/train.log /tmp/rotated && : > /root/runs/{live_run}/train.log")
+    stopped = deployed.invoke("stop", "--run", live_run, "--grace", "60")
+    assert "no process left" in stopped.stdout
+    out = p.communicate(timeout=120)[0]
+    assert p.returncode == 0, out
+    after = out[out.index("file truncated"):]
+    assert "dflash-ops: training process" in after and " ended: exit " in after
+    assert after.rstrip().splitlines()[-1].startswith(f"==> dflash-ops: run {live_run} is not running (exit code: ")
+    assert not follower_processes(deployed)
+
+
+def test_last_lines_and_known_failures_highlighted(deployed, live_run):
+    r = deployed.invoke("logs", "--run", live_run, "-n", "2")
+    lines = r.stdout.splitlines()
+    assert lines[0] == f"==> dflash-ops: run {live_run}" and len(lines) == 3
+    # A CUDA out-of-memory line as torch prints it, appended to the finished run's log.
+    oom = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 5 has a total capacity of 139.72 GiB"
+    deployed.container("sh", "-c", 'printf "%s\\n" "$1" >> "$2"', "sh", oom, f"/root/runs/{live_run}/train.log")
+    r = deployed.invoke("logs", "-n", "3")  # the latest run
+    assert oom in r.stdout
+    assert ">>> CUDA out of memory: read docs/runbooks/cuda-oom.md" in r.stdout
+    assert r.stdout.rstrip().endswith("CUDA out of memory: read docs/runbooks/cuda-oom.md")
+
+
+def sshd_session_of(deployed):
+    """The sandbox's sshd process serving the SSH connection of the (one) log follower."""
+    def parent(p):
+        return int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1])
+
+    def cmdline(p):
+        return open(f"/proc/{p}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = cmdline(int(entry))
+        except OSError:
+            continue
+        if cmd.startswith(f"{deployed.sandbox.pct} exec 200 ") or f" {deployed.sandbox.pct} exec 200 " in cmd:
+            if "tail -n" in cmd:
+                p = int(entry)
+                while p > 1:
+                    if cmdline(p).startswith("sshd: root@"):
+                        return p
+                    p = parent(p)
+    raise AssertionError("no sshd session serving a follower")

@@ -1,0 +1,71 @@
+"""invoke status against the embedded host: one round trip, stalled, crashed with the signal, the table."""
+
+import pytest
+from invoke import Context
+
+from dflash_ops import cli, status
+from training_runs import deploy
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def deployed(sandbox):
+    d = deploy(sandbox)
+    yield d
+    d.stop_any()
+
+
+def test_no_run_yet_and_unknown_run(deployed):
+    assert deployed.status("nope")["state"] == "missing"
+    latest = deployed.invoke("status", "--json").stdout
+    assert '"state": "none"' in latest
+
+
+def test_stalled_then_running_then_killed_by_sigkill_is_crashed_with_the_signal(deployed):
+    deployed.train("victim", "--max-steps", "400")
+    pid = deployed.status("victim")["pid"]
+    assert f"/root/venv/bin/python /root/dflash/train_dflash.py" in deployed.container(
+        "ps", "-o", "args=", "-p", str(pid)).stdout
+
+    deployed.container("kill", "-STOP", str(pid))  # alive, but silent: no log line, no metric
+    stalled = deployed.wait_for("status to call the silent run stalled",
+                                lambda: (s := deployed.status("victim", "--stall-after", "2"))["state"] == "stalled" and s)
+    assert stalled["idle_s"] > 2 and stalled["pid"] == pid
+    assert "no new log line or metric" in stalled["detail"]
+    assert [f["runbook"] for f in stalled["findings"]] == ["docs/runbooks/stalled-run.md"]
+    deployed.container("kill", "-CONT", str(pid))
+    assert deployed.status("victim")["state"] == "running"  # the default threshold is 600 s
+
+    deployed.container("kill", "-KILL", str(pid))
+    crashed = deployed.wait_for("the wrapper to record the kill",
+                                lambda: (s := deployed.status("victim"))["state"] != "running" and s)
+    assert (crashed["state"], crashed["exit_code"]) == ("crashed", "signal 9")
+    assert crashed["detail"] == "killed by signal 9 (SIGKILL)"
+    assert deployed.processes() == []  # the wrapper is gone too, and with it the run lock
+
+    table = deployed.invoke("status", "--run", "victim").stdout
+    assert "pve1/200: run victim" in table
+    assert "crashed (killed by signal 9 (SIGKILL))" in table
+    assert "GPUs" not in table  # the sandbox container has no nvidia-smi
+
+    again = deployed.invoke("train", "--run", "after-crash", "--max-steps", "1")  # the lock was released
+    assert "run after-crash started" in again.stdout
+    deployed.invoke("stop", "--grace", "0")
+
+
+def test_status_is_one_round_trip_on_one_connection(deployed):
+    t = cli.target(Context(), "200", deployed.inventory, False)
+    before = (t.session.connections, t.session.round_trips)
+    st = status.gather(t, "victim")
+    assert st.state == "crashed"
+    assert (t.session.connections - before[0], t.session.round_trips - before[1]) in ((1, 1), (0, 1))
+    t.session.close()
+
+
+def test_dry_run_prints_the_one_line_and_connects_to_nothing(deployed, tmp_path):
+    broken = tmp_path / "inv.yaml"  # the same inventory, but the host's port has nothing listening
+    broken.write_text(open(deployed.inventory).read().replace(f"port: {deployed.sandbox.port}", "port: 9"))
+    r = deployed.invoke("status", "--run", "victim", "--dry-run", inventory=str(broken))
+    lines = [line for line in r.stdout.splitlines() if line.startswith(str(deployed.sandbox.pct))]
+    assert len(lines) == 1 and lines[0].startswith(f"{deployed.sandbox.pct} exec 200 -- env -i -- sh -c ")

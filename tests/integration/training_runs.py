@@ -1,0 +1,87 @@
+"""Shared by test_jobs/test_logs/test_status: the sandbox's container 200 deployed with the real
+payload (`invoke deploy`), the real invoke CLI, and a look into the container from the host."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+CT = "200"
+# A short real run: no held-out evaluation, a metric and a checkpoint every step.
+QUICK = ["--set", "data.heldout=null", "--set", "train.log_every=1", "--set", "train.save_every=1"]
+
+
+class Deployed:
+    def __init__(self, sandbox):
+        self.sandbox = sandbox
+        self.inventory = str(sandbox.inventory)
+
+    def invoke_argv(self, *args, inventory=None) -> list[str]:
+        return [sys.executable, "-m", "invoke", *args, "--inventory", inventory or self.inventory, "--ct", CT]
+
+    def invoke(self, *args, check=True, timeout=120, inventory=None) -> subprocess.CompletedProcess:
+        r = subprocess.run(self.invoke_argv(*args, inventory=inventory), cwd=REPO, capture_output=True, text=True,
+                           timeout=timeout)
+        if check:
+            assert r.returncode == 0, f"invoke {' '.join(args)}: exit {r.returncode}\n{r.stdout}\n{r.stderr}"
+        return r
+
+    def popen(self, *args) -> subprocess.Popen:
+        return subprocess.Popen(self.invoke_argv(*args), cwd=REPO, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+
+    def container(self, *argv, check=True) -> subprocess.CompletedProcess:
+        """Run argv in the container with the host's pct (observation and fault injection only)."""
+        r = subprocess.run([str(self.sandbox.pct), "exec", CT, "--", *argv], capture_output=True, text=True,
+                           timeout=60)
+        if check:
+            assert r.returncode == 0, r.stderr
+        return r
+
+    def processes(self) -> list[str]:
+        """Command lines of every process in the container except pid 1's sleep and this ps."""
+        out = self.container("ps", "-eo", "args", "--no-headers").stdout.splitlines()
+        return [p for p in out if not p.startswith(("/usr/bin/bwrap", "/usr/bin/sleep infinity", "ps -eo"))]
+
+    def run_file(self, run: str, name: str) -> str:
+        return self.container("cat", f"/root/runs/{run}/{name}").stdout
+
+    def status(self, run: str, *extra) -> dict:
+        return json.loads(self.invoke("status", "--run", run, "--json", *extra).stdout)
+
+    def wait_for(self, what: str, predicate, timeout=240.0, every=0.5):
+        """Poll until predicate() is truthy; fail with `what` (a bound on a hang, not a timing check)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            time.sleep(every)
+        raise AssertionError(f"gave up waiting for {what}")
+
+    def train(self, run: str, *extra) -> str:
+        r = self.invoke("train", "--run", run, *QUICK, *extra)
+        assert f"run {run} started on pve1/{CT}" in r.stdout, r.stdout
+        return r.stdout
+
+    def stop_any(self) -> None:
+        """Leave the container without a live run for the next test."""
+        if not os.path.exists(self.inventory):
+            return
+        alive = self.container("sh", "-c", "cat /root/runs/.current 2>/dev/null", check=False).stdout.strip()
+        if alive:
+            self.invoke("stop", "--run", alive, "--grace", "0", check=False)
+
+
+def deploy(sandbox) -> Deployed:
+    """`invoke deploy` into container 200 (idempotent: the second module's call is one round trip), no runs."""
+    d = Deployed(sandbox)
+    d.invoke("deploy", timeout=600)
+    d.stop_any()
+    d.container("rm", "-rf", "/root/runs")  # runs of an earlier module or session (a kept sandbox state)
+    return d

@@ -190,6 +190,8 @@ class HostSession:
         result = self.run(line, check=False, **kwargs)
         if not result.ok:
             container_error = classify_container_failure(ct, result)
+            if container_error is None and result.exited > 128:
+                container_error = self.container_gone(ct)
             if container_error is not None:
                 raise container_error
             if check:
@@ -197,6 +199,14 @@ class HostSession:
                     f"{ct.label}: exit {result.exited}: {self.shown(stderr_tail(result.stderr)) or '(no stderr)'}",
                     exited=result.exited, stderr_tail=stderr_tail(result.stderr))
         return result
+
+    def container_gone(self, ct: Container):
+        """After a command killed by a signal: ContainerStopped/Missing if the container went away under it."""
+        probe = self.run(commands.shell_line([ct.host.pct, "status", str(ct.ctid)]), check=False)
+        if "status: stopped" in probe.stdout:
+            return ContainerStopped(f"container {ct.ctid} on host {ct.host.name} stopped while the command ran; "
+                                    f"start it with `pct start {ct.ctid}` on the host, then check `invoke status`")
+        return classify_container_failure(ct, probe)
 
     # --- files (SFTP to the host; pct push/pull moves them in and out of containers) -----------
     def put_bytes(self, data: bytes, host_path: str, mode: int = 0o600) -> None:

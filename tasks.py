@@ -232,10 +232,112 @@ def clean_cache(c, force=False, ct=None, dry_run=False, inventory=None):
         print(caches.describe(freed))
 
 
+# --- the trained drafter: eval, regenerate, metrics, fetch ----------------------------------------
+@op_task(name="eval", help={
+    "run": "run name (a directory under paths.runs)",
+    "checkpoint": "latest, step-N, or a checkpoint directory in the container",
+    "prompts": "chat JSONL in the container (default: the run's data.heldout)",
+    "num_prompts": "how many held-out prompts (default 16)",
+    "max_new_tokens": "longest answer per prompt (default 64)",
+    "device": "where the target and drafter run (default: the first target device)"})
+def eval_run(c, run, checkpoint="latest", prompts=None, num_prompts=None, max_new_tokens=None, device=None,
+             ct=None, inventory=None, dry_run=False):
+    """Measure a checkpoint with the official dflash inference code: lossless, acceptance, speedup.
+
+    Runs eval_dflash.py in the container: the checkpoint is loaded with
+    `dflash.model.DFlashDraftModel.from_pretrained` (refused on any missing or unexpected key), the
+    run's target from its resolved config; every prompt is decoded greedily twice, plainly and with
+    `dflash_generate`. Shows whether the outputs are identical (lossless), the mean acceptance length,
+    tokens per target forward and the wall-clock speedup; writes eval.json and appends to evals.jsonl
+    in the run directory (`invoke status` and `invoke metrics --plot` show them). Exits non-zero if
+    speculative decoding changed an output.
+    """
+    from dflash_ops import evaluate
+
+    t = cli.target(c, ct, inventory, dry_run)
+    record = evaluate.evaluate(t, run, checkpoint=checkpoint, prompts=prompts, num_prompts=num_prompts,
+                               max_new_tokens=max_new_tokens, device=device)
+    if record is not None:
+        print(evaluate.describe(record))
+
+
+@op_task(iterable=["src"], help={
+    "src": "chat JSONL in the container, relative to paths.code (repeatable; default: data/train.jsonl "
+           "and data/heldout.jsonl)",
+    "out_dir": "where the regenerated files go, same file names (default: data/ beside paths.runs)",
+    "max_new_tokens": "longest regenerated answer (default 256)",
+    "limit": "only the first N rows of each file",
+    "batch_size": "conversations decoded together (default 32)",
+    "device": "where the target runs (default: the first target device)",
+    "target": "target checkpoint directory in the container (default: paths.model)"})
+def regenerate(c, src=None, out_dir=None, max_new_tokens=None, limit=None, batch_size=None, device=None,
+               target=None, ct=None, inventory=None, dry_run=False):
+    """Rewrite a dataset's assistant turns with the target's own greedy answers, in the container.
+
+    A drafter is scored on how often it guesses what the target says, so it should learn from what
+    the target says. Runs regenerate_data.py with the target at paths.model: each assistant turn is
+    replaced by the target's greedy continuation of the conversation so far. Then train on the
+    result, e.g. `invoke train --set data.train=/root/data/train.jsonl --set
+    data.heldout=/root/data/heldout.jsonl` (the paths this task prints).
+    """
+    from dflash_ops import evaluate
+
+    t = cli.target(c, ct, inventory, dry_run)
+    for stats in evaluate.regenerate(t, sources=src or (), out_dir=out_dir, max_new_tokens=max_new_tokens,
+                                     limit=limit, batch_size=batch_size, device=device, target=target):
+        print(f"{stats['out']}: {stats['rows']} rows, {stats['changed']} of {stats['turns']} answers "
+              f"changed, {stats['truncated']} cut at the token limit")
+
+
+@op_task(help={"run": "run name (default: the latest run)",
+               "plot": "also write a PNG here: loss, acceptance length, per-slot accuracy, tokens/s",
+               "n": "how many of the last logged steps the table shows (0: all)"})
+def metrics(c, run=None, plot=None, n=20, ct=None, inventory=None, dry_run=False):
+    """Show a run's recent metrics as a table, and plot the whole run with --plot FILE.png.
+
+    Reads metrics.jsonl and evals.jsonl from the container in one round trip. The table: step, loss,
+    held-out loss, acceptance length, accuracy of slots 1-4, tokens/s, learning rate, memory. The plot
+    adds held-out points, the dflash evaluations (`invoke eval`) and the checkpoints.
+    """
+    from rich.console import Console
+
+    from dflash_ops import metrics as metrics_mod
+
+    m = metrics_mod.fetch(cli.target(c, ct, inventory, dry_run), run)
+    if m is None:
+        return
+    Console().print(metrics_mod.table(m, int(n)))
+    summary = metrics_mod.eval_summary(m)
+    if summary:
+        print(summary)
+    if plot:
+        print(f"plot: {metrics_mod.plot(m, plot)}")
+
+
+@op_task(help={"run": "run name", "to": "local directory to create (DIR/config.json, DIR/model.safetensors)",
+               "checkpoint": "latest or step-N", "force": "replace DIR if it exists",
+               "with_state": "also bring training_state.pt (optimizer state, about twice the weights)"})
+def fetch(c, run, to, checkpoint="latest", force=False, with_state=False, ct=None, inventory=None,
+          dry_run=False):
+    """Bring a checkpoint back from the container, verified by sha256 computed in the container.
+
+    The files travel container -> host (`pct pull`) -> here (SFTP) into a temporary directory next to
+    DIR, which becomes DIR only when every file's sha256 matches; DIR then loads with
+    `DFlashDraftModel.from_pretrained(DIR)`. Refuses to replace an existing DIR unless --force.
+    """
+    from dflash_ops import fetch as fetch_mod
+
+    fetched = fetch_mod.fetch(cli.target(c, ct, inventory, dry_run), run, to, checkpoint, bool(force),
+                              bool(with_state))
+    if fetched is not None:
+        print(f"{fetched.to}: {len(fetched.files)} files from {fetched.checkpoint}, "
+              f"{fetched.total_bytes / 2**20:.1f} MiB, sha256 verified")
+
+
 sandbox_ns = Collection("sandbox")
 sandbox_ns.add_task(sandbox_up, "up")
 sandbox_ns.add_task(sandbox_down, "down")
 sandbox_ns.add_task(sandbox_status, "status")
 
-ns = Collection(trust_host, sandbox_ns, deploy, warmup, train, logs, status, stop, doctor, clean_cache)
+ns = Collection(trust_host, sandbox_ns, deploy, warmup, train, logs, status, stop, doctor, clean_cache, eval_run, regenerate, metrics, fetch)
 ns.configure({"dflash": {"inventory": None}})

@@ -201,7 +201,9 @@ class DrafterAttention(nn.Module):
         k = self.k_norm(k.view(batch, kv_len, -1, self.head_dim)).transpose(1, 2)
         v = v.view(batch, kv_len, -1, self.head_dim).transpose(1, 2)
         q, k = _apply_rope(q, k, *position_embeddings)
-        out = attention(q, k, v, mask, self.scaling)
+        # Under autocast the fp32 norms/RoPE leave q, k in fp32 and v in bf16; flex_attention (not
+        # an autocast op) needs one dtype.
+        out = attention(q.to(v.dtype), k.to(v.dtype), v, mask, self.scaling)
         return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, -1))
 
 
@@ -356,17 +358,21 @@ def dflash_loss(logits, labels, valid, gamma: float):
     weights = valid * slot_weights(block_size, gamma, logits.device)
     ce = F.cross_entropy(logits.flatten(0, 2).float(), labels.flatten(), reduction="none")
     loss = (ce.view_as(weights) * weights).sum() / weights.sum().clamp(min=1e-6)
-    with torch.no_grad():
-        correct = (logits.argmax(-1) == labels) & (valid > 0)
-        real_blocks = valid[:, :, 1] > 0
-        run = correct[:, :, 1:].long().cumprod(dim=-1).sum(dim=-1).float()
-        stats = {
-            "slot_correct": correct.float().sum(dim=(0, 1))[1:].tolist(),
-            "slot_count": valid.sum(dim=(0, 1))[1:].tolist(),
-            "accept_sum": float((1 + run)[real_blocks].sum()),
-            "blocks": int(real_blocks.sum()),
-        }
-    return loss, stats
+    return loss, prediction_stats(logits.detach().argmax(-1), labels, valid)
+
+
+@torch.no_grad()
+def prediction_stats(predicted, labels, valid) -> dict:
+    """Per-slot correct/count sums and the acceptance run of each real block ([B, N, bs] each)."""
+    correct = (predicted == labels) & (valid > 0)
+    real_blocks = valid[:, :, 1] > 0
+    run = correct[:, :, 1:].long().cumprod(dim=-1).sum(dim=-1).float()
+    return {
+        "slot_correct": correct.float().sum(dim=(0, 1))[1:].tolist(),
+        "slot_count": valid.sum(dim=(0, 1))[1:].tolist(),
+        "accept_sum": float((1 + run)[real_blocks].sum()),
+        "blocks": int(real_blocks.sum()),
+    }
 
 
 def merge_stats(parts: list[dict]) -> dict:

@@ -121,9 +121,8 @@ class ShapeOnlyTarget:
         text = getattr(self.config, "text_config", None) or self.config
         self.hidden_size, self.dtype = text.hidden_size, DTYPES[dtype]
         self.layer_ids = layer_ids
-        generator = torch.Generator().manual_seed(0)
-        self._weight = torch.randn(text.vocab_size, text.hidden_size, generator=generator,
-                                   dtype=torch.float32).mul_(0.02).to(self.dtype)
+        self._weight = torch.empty(text.vocab_size, text.hidden_size, dtype=self.dtype)
+        self._weight.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(0))
 
     @property
     def embed_weight(self) -> torch.Tensor:

@@ -48,7 +48,8 @@ def cli_parser(description: str) -> argparse.ArgumentParser:
 
 def config_from_args(args):
     return load_config(args.config, args.set, {
-        "devices.target": args.target_devices, "devices.drafter": args.drafter_devices})
+        "devices.target": args.target_devices, "devices.drafter": args.drafter_devices,
+        "train.run_dir": os.path.abspath(args.run_dir) if args.run_dir else None})
 
 
 def setup_logging(run_dir: str | None) -> None:
@@ -75,7 +76,7 @@ def train(args) -> int:
     stop = StopFlag()
     # config
     config = config_from_args(args)
-    run_dir = os.path.abspath(args.run_dir) if args.run_dir else resolve_path(config.train.run_dir)
+    run_dir = resolve_path(config.train.run_dir)
     os.makedirs(run_dir, exist_ok=True)
     setup_logging(run_dir)
     checkpoints.write_atomic(os.path.join(run_dir, "config.yaml"), dump_yaml(config))
@@ -119,11 +120,15 @@ def train(args) -> int:
         return training.prepare_batch(examples, config, target, worker.device, mask_token_id,
                                       build_mask, generator)
 
-    eval_batches = [batch_for(workers[0], heldout_examples[i:i + config.train.batch_size],
+    # Full batches only: a smaller last batch would be a shape the warm-up never compiled.
+    batch_size = config.train.batch_size
+    eval_count = min(len(heldout_examples) // batch_size, config.train.eval_batches)
+    eval_batches = [batch_for(workers[0], heldout_examples[i * batch_size:(i + 1) * batch_size],
                               training.anchor_generator(config.train.seed, -1, i))
-                    for i in range(0, min(len(heldout_examples),
-                                          config.train.eval_batches * config.train.batch_size),
-                                   config.train.batch_size)]
+                    for i in range(eval_count)]
+    if heldout_examples and not eval_batches:
+        raise DataError(f"held-out set has {len(heldout_examples)} usable conversations, fewer "
+                        f"than one batch ({batch_size})")
 
     # compile: every shape the workers will run, in the main thread, before they start
     warm_examples = train_examples[: config.train.batch_size]
@@ -144,7 +149,7 @@ def train(args) -> int:
                                 "replica_max_abs_diff": diff})
         log.info("checkpoint %s (replicas differ by at most %.3g)", path, diff)
 
-    if step == 0 and heldout_examples:
+    if step == 0 and eval_batches:
         evaluate(workers[0], eval_batches, metrics, step)
     while step < stop_step and not stop.requested:
         step += 1
@@ -160,11 +165,14 @@ def train(args) -> int:
             log_train(metrics, step, stop_step, window, time.perf_counter() - window_start, lr,
                       target_devices + drafter_devices)
             window, window_start = [], time.perf_counter()
-        if heldout_examples and (step % config.train.eval_every == 0 or step == stop_step):
+        if eval_batches and (step % config.train.eval_every == 0 or step == stop_step):
             evaluate(workers[0], eval_batches, metrics, step)
         if step % config.train.save_every == 0 or step == stop_step:
             save(step)
     if stop.requested:
+        if window:
+            log_train(metrics, step, stop_step, window, time.perf_counter() - window_start,
+                      workers[0].scheduler.get_last_lr()[0], target_devices + drafter_devices)
         save(step)
         log.info("stopped by SIGTERM at step %d", step)
     pool.shutdown()

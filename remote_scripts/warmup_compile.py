@@ -53,9 +53,9 @@ def warm(args) -> int:
     stats = compile_safety.stats()
     if config.compile.enabled:
         log.info("warm-up done: %d shape(s) on %s in %.1f s; compiled calls %d, fallbacks %d; "
-                 "cache %s", len(timings), ",".join(drafter_devices),
+                 "peak memory %.1f GiB; cache %s", len(timings), ",".join(drafter_devices),
                  time.perf_counter() - started, stats["calls"], stats["fallbacks"],
-                 compile_safety.current_settings().cache_dir)
+                 training.memory_gib(drafter_devices), compile_safety.current_settings().cache_dir)
         if stats["fallbacks"]:
             raise RuntimeError(f"{stats['fallbacks']} compile fallback(s): attention would run "
                                "uncompiled; raise compile.recompile_limit")

@@ -32,7 +32,7 @@ def tiny_target(tmp_path_factory) -> str:
 
 def run_script(script: str, *args: str, timeout: float = 240, env_extra: dict | None = None):
     """Run a remote script as the toolkit does: a subprocess of the real CLI."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env_extra or {}))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env_extra or {})}
     return subprocess.run([sys.executable, os.path.join(REMOTE, script), *args], env=env,
                           capture_output=True, text=True, timeout=timeout)
 

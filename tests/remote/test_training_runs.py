@@ -124,16 +124,15 @@ def test_warmup_runs_the_step_on_each_cpu_drafter_and_says_compile_is_off(tiny_t
     assert "compile is off" in result.stdout
 
 
-@pytest.mark.parametrize("script", ["train_dflash.py", "warmup_compile.py"])
-def test_bad_paths_and_configs_exit_nonzero_with_one_line(tiny_target, tmp_path, script):
-    missing = run_script(script, *tiny_args(str(tmp_path / "no-target"), str(tmp_path / "r")))
-    assert missing.returncode != 0
-    assert missing.stderr.strip().splitlines()[-1].endswith(
-        f"target checkpoint directory not found: {tmp_path / 'no-target'}")
-    flex_on_cpu = run_script(script, *tiny_args(tiny_target, str(tmp_path / "r"),
-                                                "model.attention=flex"))
-    assert flex_on_cpu.returncode != 0
-    assert "no flex_attention backward on CPU" in flex_on_cpu.stderr
-    missing_config = run_script(script, "--config", str(tmp_path / "nope.yaml"))
-    assert missing_config.returncode != 0 and "config file not found" in missing_config.stderr
-
+def test_bad_paths_and_configs_exit_nonzero_with_one_line(tiny_target, tmp_path):
+    missing = run_script("train_dflash.py",
+                         *tiny_args(str(tmp_path / "no-target"), str(tmp_path / "r")))
+    assert missing.returncode == 2
+    assert missing.stderr.strip().splitlines() == [
+        f"train_dflash: error: target checkpoint directory not found: {tmp_path / 'no-target'}"]
+    missing_config = run_script("train_dflash.py", "--config", str(tmp_path / "nope.yaml"))
+    assert missing_config.returncode == 2 and "config file not found" in missing_config.stderr
+    flex_on_cpu = run_script("warmup_compile.py", *tiny_args(tiny_target, str(tmp_path / "r"),
+                                                             "model.attention=flex"))
+    assert flex_on_cpu.returncode == 1
+    assert "no flex_attention backward on CPU" in flex_on_cpu.stderr.strip().splitlines()[-1]

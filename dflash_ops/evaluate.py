@@ -1,0 +1,154 @@
+"""`invoke eval` and `invoke regenerate`: the payload's eval_dflash.py / regenerate_data.py in the container.
+
+Both run in the foreground with the run environment (`Container.run_env`), their progress lines
+streamed, and end with one `RESULT <json>` line that is parsed here (the JSON line itself is not
+shown). One round trip each.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import posixpath
+from typing import Sequence
+
+from . import jobs
+from .errors import DflashOpsError, RemoteCommandFailed, UsageError
+from .inventory import Container
+
+EVAL_SCRIPT = "eval_dflash.py"
+REGENERATE_SCRIPT = "regenerate_data.py"
+RESULT = "RESULT "
+EXIT_NOT_LOSSLESS, EXIT_BAD_INPUT = 3, 2  # eval_dflash.py's exit codes
+DEFAULT_SOURCES = ("data/train.jsonl", "data/heldout.jsonl")  # relative to paths.code
+
+
+class NotLossless(DflashOpsError):
+    """Speculative decoding changed the target's greedy output: the drafter/target pairing is broken."""
+
+    exit_code = 8
+
+
+class _ShowLines(io.StringIO):
+    """An out_stream that prints what the script says, except the machine-readable RESULT lines."""
+
+    def __init__(self, echo=print):
+        super().__init__()
+        self._echo, self._pending = echo, ""
+
+    def write(self, text: str) -> int:
+        self._pending += text
+        *lines, self._pending = self._pending.split("\n")
+        for line in lines:
+            if not line.startswith(RESULT) and "Loading weights" not in line:
+                self._echo(line)
+        return len(text)
+
+
+def _first_device(ct: Container) -> str:
+    return (ct.roles.devices("target") or "cpu").split(",")[0]
+
+
+def _option(name: str, value) -> list[str]:
+    return [] if value is None else [f"--{name}={value}"]
+
+
+def eval_argv(ct: Container, run: str, checkpoint: str = "latest", prompts: str | None = None,
+              num_prompts: int | None = None, max_new_tokens: int | None = None,
+              device: str | None = None) -> list[str]:
+    """Pure. `--opt=value` throughout, so no value is read as an option."""
+    if not checkpoint or checkpoint.startswith("-") or "\n" in checkpoint:
+        raise UsageError(f"--checkpoint {checkpoint!r}: give latest, step-N or a directory in the container")
+    for name, value in (("num-prompts", num_prompts), ("max-new-tokens", max_new_tokens)):
+        if value is not None and int(value) < 1:
+            raise UsageError(f"--{name} {value}: must be >= 1")
+    return [ct.venv_python, f"{ct.paths.code}/{EVAL_SCRIPT}", f"--run-dir={jobs.run_dir(ct, run)}",
+            f"--checkpoint={checkpoint}", *_option("prompts", prompts),
+            *_option("num-prompts", num_prompts), *_option("max-new-tokens", max_new_tokens),
+            *_option("device", device or _first_device(ct))]
+
+
+def regenerate_argv(ct: Container, sources: Sequence[str] = (), out_dir: str | None = None,
+                    max_new_tokens: int | None = None, limit: int | None = None,
+                    batch_size: int | None = None, device: str | None = None,
+                    dtype: str | None = None, target: str | None = None) -> tuple[list[str], list[str]]:
+    """Pure: (argv, output paths). Each source (relative paths: under paths.code) is written to
+    out_dir/<its file name>; out_dir defaults to `data/` beside paths.runs; target to paths.model."""
+    sources = [s if s.startswith("/") else f"{ct.paths.code}/{s}" for s in (sources or DEFAULT_SOURCES)]
+    out_dir = out_dir or posixpath.join(posixpath.dirname(ct.paths.runs.rstrip("/")), "data")
+    outputs = [posixpath.join(out_dir, posixpath.basename(s)) for s in sources]
+    if len(set(outputs)) != len(outputs):
+        raise UsageError(f"--src files must have different names (they all go to {out_dir}/)")
+    device = device or _first_device(ct)
+    dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
+    argv = [ct.venv_python, f"{ct.paths.code}/{REGENERATE_SCRIPT}", f"--target={target or ct.paths.model}",
+            f"--device={device}", f"--dtype={dtype}", *_option("max-new-tokens", max_new_tokens),
+            *_option("limit", limit), *_option("batch-size", batch_size)]
+    for source, output in zip(sources, outputs):
+        argv += [f"--in={source}", f"--out={output}"]
+    return argv, outputs
+
+
+def results_of(stdout: str) -> list[dict]:
+    """The JSON of every `RESULT ` line (a script prints one per result)."""
+    return [json.loads(line[len(RESULT):]) for line in stdout.splitlines() if line.startswith(RESULT)]
+
+
+def _run_script(t, argv: list[str], what: str, echo=print):
+    ct = t.container
+    result = t.session.exec(ct, argv, env=ct.run_env(), cwd=ct.paths.code, check=False,
+                            out_stream=_ShowLines(echo))
+    if t.dry_run:
+        return result, []
+    found = results_of(result.stdout)
+    if result.exited not in (0, EXIT_NOT_LOSSLESS) or not found:
+        last = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
+        hint = " (run `invoke deploy` first?)" if "No such file" in result.stderr else ""
+        raise RemoteCommandFailed(f"{ct.label}: {what} failed (exit {result.exited}): {last}{hint}",
+                                  exited=result.exited, stderr_tail=last)
+    return result, found
+
+
+def evaluate(t, run: str, echo=print, **options) -> dict | None:
+    """Run eval_dflash.py on run `run`; returns its record (None in a dry run).
+
+    Raises NotLossless (after the numbers are shown by the caller's `describe`) when speculative
+    decoding changed the output.
+    """
+    run = jobs.validate_run_name(run)
+    result, found = _run_script(t, eval_argv(t.container, run, **options), "evaluation", echo)
+    if t.dry_run:
+        return None
+    record = found[-1]
+    if result.exited == EXIT_NOT_LOSSLESS or not record.get("lossless"):
+        echo(describe(record))
+        raise NotLossless(f"run {run}: speculative output differs from plain greedy decoding on prompts "
+                          f"{record.get('mismatched_prompts')}; check that the drafter was trained "
+                          f"against this target (config.json's dflash_config, the target's dtype)")
+    return record
+
+
+def regenerate(t, echo=print, **options) -> list[dict]:
+    """Run regenerate_data.py in the container; returns one stats dict per output file."""
+    argv, _ = regenerate_argv(t.container, **options)
+    _, found = _run_script(t, argv, "regeneration", echo)
+    return found
+
+
+def describe(record: dict) -> str:
+    """The numbers of one evaluation, a few lines for a person."""
+    hist = record.get("acceptance_histogram") or []
+    return "\n".join([
+        f"checkpoint          {record['checkpoint']}",
+        f"target              {record['target']} on {record['device']} ({record['dtype']})",
+        f"prompts             {record['prompts']} (<= {record['max_new_tokens']} new tokens each, "
+        f"{record['new_tokens']} in all)",
+        f"lossless            {'yes' if record['lossless'] else 'NO: ' + str(record['mismatched_prompts'])}",
+        f"acceptance length   {record['acceptance_length']:.2f} tokens per verification "
+        f"(block size {record['block_size']})",
+        f"tokens per forward  {record['tokens_per_target_forward']:.2f} "
+        f"({record['target_forwards']['spec']} target forwards vs {record['target_forwards']['plain']} plain)",
+        f"speedup             {record['speedup']:.2f}x wall clock ({record['plain_tokens_per_s']:.1f} -> "
+        f"{record['spec_tokens_per_s']:.1f} tokens/s)",
+        f"accepted per step   " + " ".join(f"{n}:{c}" for n, c in enumerate(hist, 1) if c),
+    ])

@@ -1,0 +1,192 @@
+"""metrics/eval/fetch pure parts: exact argv, the in-container scripts run here with a real sh on a
+real run directory, the parsers on recorded output, the table and the plot (real matplotlib)."""
+
+import hashlib
+import json
+import subprocess
+
+import pytest
+
+from dflash_ops import evaluate, fetch, metrics
+from dflash_ops.errors import UsageError
+from dflash_ops.inventory import parse_inventory
+
+INVENTORY = {
+    "hosts": {"pve1": {"address": "pve1.example"}},
+    "containers": {
+        200: {"host": "pve1", "roles": {"target": [0, 1], "drafter": [2]},
+              "paths": {"code": "/root/my code", "venv": "/root/venv", "runs": "/root/runs",
+                        "model": "/dev/shm/m"}},
+        201: {"host": "pve1", "roles": {"target": ["cpu"], "drafter": ["cpu"]},
+              "paths": {"code": "/c", "venv": "/v", "runs": "/srv/runs/", "model": "/m"}},
+    },
+}
+
+# Recorded from a tiny CPU run (metrics.jsonl + evals.jsonl through METRICS_SCRIPT), with a line
+# torn mid-write and a kind this version does not know.
+RECORDED = """== metrics
+{"kind": "eval", "step": 0, "loss": 16.55, "slot_accuracy": [0.0, 0.0, 0.0], "acceptance_length": 1.0, "time": 1}
+{"kind": "train", "step": 25, "loss": 7.86, "slot_accuracy": [0.07, 0.07, 0.08], "acceptance_length": 1.08, "tokens_per_s": 1266.3, "lr": 0.005, "memory_gib": 0.45, "time": 2}
+{"kind": "train", "step": 50, "loss": 3.38, "slot_accuracy": [0.15, 0.16, 0.17], "acceptance_length": 1.20, "tokens_per_s": 2422.5, "lr": 0.0049, "memory_gib": 0.45, "time": 3}
+{"kind": "eval", "step": 50, "loss": 3.1, "slot_accuracy": [0.2, 0.2, 0.2], "acceptance_length": 1.3, "time": 3}
+{"kind": "checkpoint", "step": 50, "path": "/root/runs/t/checkpoints/step-50", "replica_max_abs_diff": 0.0}
+{"kind": "profile", "step": 50}
+{"kind": "train", "step": 75, "loss": 2.9
+== evals
+{"kind": "dflash_eval", "step": 50, "acceptance_length": 2.08, "tokens_per_target_forward": 1.89, "speedup": 0.77, "lossless": true}
+== end
+"""
+
+
+@pytest.fixture
+def inv():
+    return parse_inventory(INVENTORY)
+
+
+# --- parsing, table, plot ---------------------------------------------------------------------------
+
+def test_recorded_metrics_parse_by_kind_and_torn_lines_are_counted():
+    m = metrics.parse_metrics(RECORDED, "t")
+    assert [r["step"] for r in m.train] == [25, 50]
+    assert [r["step"] for r in m.eval] == [0, 50]
+    assert [r["step"] for r in m.checkpoints] == [50]
+    assert m.dflash_evals[0]["acceptance_length"] == 2.08
+    assert m.skipped == 2  # the unknown kind and the torn last line
+
+
+def test_table_shows_the_last_n_steps_with_held_out_loss_merged(monkeypatch):
+    from rich.console import Console
+
+    m = metrics.parse_metrics(RECORDED, "t")
+    console = Console(width=150, record=True)
+    console.print(metrics.table(m, n=1))
+    text = console.export_text()
+    assert "last 1 of 2 logged steps" in text
+    row = next(line for line in text.splitlines() if "│" in line and " 50 " in line)
+    for cell in ("3.3800", "3.1000", "1.20", "0.15 0.16 0.17", "2,422", "4.90e-03"):
+        assert cell in row, (cell, row)
+    assert "acceptance 2.08" in metrics.eval_summary(m)
+    assert metrics.eval_summary(metrics.parse_metrics("== metrics\n== end\n")) is None
+
+
+def test_plot_writes_a_png_of_every_panel(tmp_path):
+    m = metrics.parse_metrics(RECORDED, "t")
+    path = metrics.plot(m, str(tmp_path / "run.png"))
+    with open(path, "rb") as f:
+        head = f.read(24)
+    assert head[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+    assert width > 1000 and height > 700
+
+
+def test_plot_of_a_run_without_metrics_is_refused(tmp_path):
+    from dflash_ops.errors import RunStateError
+
+    with pytest.raises(RunStateError, match="no metrics yet"):
+        metrics.plot(metrics.parse_metrics("== metrics\n== end\n", "empty"), str(tmp_path / "x.png"))
+
+
+def test_metrics_script_on_a_real_run_dir(tmp_path):
+    run = tmp_path / "runs" / "t"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 2.0}\n')
+    out = subprocess.run(["sh", "-c", metrics.METRICS_SCRIPT, "sh", str(tmp_path / "runs"), "t"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0
+    parsed = metrics.parse_metrics(out.stdout, "t")
+    assert [r["loss"] for r in parsed.train] == [2.0] and parsed.dflash_evals == []
+    missing = subprocess.run(["sh", "-c", metrics.METRICS_SCRIPT, "sh", str(tmp_path / "runs"), "nope"],
+                             capture_output=True, text=True)
+    assert missing.returncode == metrics.EXIT_NO_RUN and "no run named nope" in missing.stderr
+
+
+# --- eval / regenerate argv ------------------------------------------------------------------------
+
+def test_eval_argv_exact(inv):
+    ct = inv.container(200)
+    assert evaluate.eval_argv(ct, "tiny") == [
+        "/root/venv/bin/python", "/root/my code/eval_dflash.py", "--run-dir=/root/runs/tiny",
+        "--checkpoint=latest", "--device=cuda:0"]
+    assert evaluate.eval_argv(inv.container(201), "r1", checkpoint="step-20", prompts="/d/p q.jsonl",
+                              num_prompts=4, max_new_tokens=32, device="cpu") == [
+        "/v/bin/python", "/c/eval_dflash.py", "--run-dir=/srv/runs//r1", "--checkpoint=step-20",
+        "--prompts=/d/p q.jsonl", "--num-prompts=4", "--max-new-tokens=32", "--device=cpu"]
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"run": "../x"}, "run name"), ({"run": "ok", "checkpoint": "--device=x"}, "--checkpoint"),
+    ({"run": "ok", "num_prompts": 0}, "--num-prompts"), ({"run": "ok", "max_new_tokens": -1}, "--max-new-tokens"),
+])
+def test_eval_argv_refuses_bad_values(inv, kwargs, message):
+    with pytest.raises(UsageError, match=message):
+        evaluate.eval_argv(inv.container(200), **kwargs)
+
+
+def test_regenerate_argv_defaults_pair_inputs_with_outputs(inv):
+    argv, outputs = evaluate.regenerate_argv(inv.container(200))
+    assert argv == [
+        "/root/venv/bin/python", "/root/my code/regenerate_data.py", "--target=/dev/shm/m",
+        "--device=cuda:0", "--dtype=bfloat16",
+        "--in=/root/my code/data/train.jsonl", "--out=/root/data/train.jsonl",
+        "--in=/root/my code/data/heldout.jsonl", "--out=/root/data/heldout.jsonl"]
+    assert outputs == ["/root/data/train.jsonl", "/root/data/heldout.jsonl"]
+    argv, outputs = evaluate.regenerate_argv(inv.container(201), sources=["/x/a.jsonl"], out_dir="/o",
+                                             limit=5, max_new_tokens=16, batch_size=8)
+    assert argv[2:] == ["--target=/m", "--device=cpu", "--dtype=float32", "--max-new-tokens=16",
+                        "--limit=5", "--batch-size=8", "--in=/x/a.jsonl", "--out=/o/a.jsonl"]
+    with pytest.raises(UsageError, match="different names"):
+        evaluate.regenerate_argv(inv.container(201), sources=["a/x.jsonl", "b/x.jsonl"])
+
+
+def test_result_lines_are_parsed_and_hidden_from_the_person():
+    shown = []
+    stream = evaluate._ShowLines(shown.append)
+    stream.write("eval: 2 prompts\nRESULT {\"a\"")
+    stream.write(": 1}\nLoading weights: 100%\ndone\n")
+    assert shown == ["eval: 2 prompts", "done"]
+    assert evaluate.results_of('x\nRESULT {"a": 1}\nRESULT {"b": 2}\n') == [{"a": 1}, {"b": 2}]
+
+
+def test_describe_names_every_number():
+    record = {"checkpoint": "/r/checkpoints/step-9", "target": "/m", "device": "cpu", "dtype": "float32",
+              "prompts": 4, "max_new_tokens": 32, "new_tokens": 100, "lossless": True,
+              "mismatched_prompts": [], "acceptance_length": 2.5, "block_size": 8,
+              "tokens_per_target_forward": 2.2, "target_forwards": {"spec": 45, "plain": 100},
+              "speedup": 1.3, "plain_tokens_per_s": 100.0, "spec_tokens_per_s": 130.0,
+              "acceptance_histogram": [10, 0, 5]}
+    text = evaluate.describe(record)
+    for part in ("lossless            yes", "acceptance length   2.50", "(block size 8)", "2.20",
+                 "45 target forwards vs 100 plain", "1.30x", "1:10 3:5"):
+        assert part in text
+
+
+# --- fetch -----------------------------------------------------------------------------------------
+
+def test_list_script_resolves_latest_and_hashes_in_place(tmp_path):
+    ckpt = tmp_path / "runs" / "r" / "checkpoints" / "step-20"
+    ckpt.mkdir(parents=True)
+    (ckpt / "config.json").write_text("{}")
+    (ckpt / "model.safetensors").write_bytes(b"\x00weights" * 100)
+    (tmp_path / "runs" / "r" / "checkpoints" / "latest").write_text("step-20\n")
+    argv = ["sh", "-c", fetch.LIST_SCRIPT, "sh", str(tmp_path / "runs"), "r", "latest", *fetch.MODEL_FILES]
+    out = subprocess.run(argv, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    directory, files = fetch.parse_listing(out.stdout)
+    assert directory == str(ckpt)
+    assert [(f.name, f.size) for f in files] == [("config.json", 2), ("model.safetensors", 800)]
+    assert files[1].sha256 == hashlib.sha256(b"\x00weights" * 100).hexdigest()
+    argv[6] = "step-99"
+    missing = subprocess.run(argv, capture_output=True, text=True)
+    assert missing.returncode == fetch.EXIT_NO_CHECKPOINT and "no checkpoint step-99" in missing.stderr
+
+
+@pytest.mark.parametrize("name", ["step-x", "../step-1", "latest; rm", ""])
+def test_fetch_checkpoint_names_are_checked(name):
+    with pytest.raises(UsageError):
+        fetch.validate_checkpoint(name)
+
+
+def test_listing_without_a_dir_line_is_an_error():
+    with pytest.raises(ValueError):
+        fetch.parse_listing("abc 1 x\n")
+    assert json.dumps(fetch.parse_listing("dir /a b\n")[0]) == '"/a b"'

@@ -102,9 +102,11 @@ if ! flock -w 2 9; then
 fi
 mkdir -p -- "$dir" || exit 79
 rm -f -- "$dir/exit_code" "$dir/stopped" "$dir/pid" "$dir/pgid" "$dir/ended"
-printf '%s\n' "$launch" > "$dir/launch.json"
-printf '%s\n' "$envtext" > "$dir/env"
-cp -- "$config" "$dir/config.given.yaml"
+# A full disk must not turn into an empty run.sh that "exits at once" without a word.
+nospace() { echo "dflash: cannot write the run directory $dir ($(df -h --output=avail "$runs" | tail -n 1 | tr -d ' ') free): disk full? read docs/runbooks/disk-full.md" >&2; exit 79; }
+printf '%s\n' "$launch" 2>/dev/null > "$dir/launch.json" || nospace
+printf '%s\n' "$envtext" 2>/dev/null > "$dir/env" || nospace
+cp -- "$config" "$dir/config.given.yaml" 2>/dev/null || nospace
 if [ -f "$manifest" ]; then
   cp -- "$manifest" "$dir/code_manifest.json"
   tree=$(sed -n 's/^ *"tree": *"\([0-9a-f]*\)".*/\1/p' "$manifest")
@@ -112,7 +114,7 @@ if [ -f "$manifest" ]; then
 else
   echo "unknown (no deploy manifest at $manifest)"
 fi > "$dir/code_version"
-printf '%s\n' "$wrapper" > "$dir/run.sh"
+printf '%s\n' "$wrapper" 2>/dev/null > "$dir/run.sh" || nospace
 printf '%s\n' "$name" > "$runs/.current.tmp" && mv -f -- "$runs/.current.tmp" "$runs/.current"
 echo "dflash-ops: launch $(date -u +%Y-%m-%dT%H:%M:%SZ) of run $name" >> "$dir/train.log"
 setsid -f sh "$dir/run.sh" "$dir" "$@" </dev/null >>"$dir/train.log" 2>&1

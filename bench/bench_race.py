@@ -142,7 +142,8 @@ def child(args) -> int:
         result["status"] = "crash" if result.get("error") else "ok"
     stats = compile_safety.stats()
     result.update(wall_s=time.perf_counter() - started, calls=stats["calls"],
-                  fallbacks=stats["fallbacks"], lock=stats["lock"])
+                  fallbacks=stats["fallbacks"], lock=stats["lock"],
+                  lock_wait_s=round(stats["lock_wait_s"], 2))
     print("RESULT " + json.dumps(result), flush=True)
     return EXIT_CRASH if result["status"] == "crash" else EXIT_OK
 
@@ -194,10 +195,10 @@ def spawn(args, mode: str, kind: str, cache_root: str, index: int) -> dict:
 
 
 def print_table(results: list[dict]) -> None:
-    print(f"\n{'mode':8} {'#':>3} {'status':7} {'wall s':>7}  error")
+    print(f"\n{'mode':8} {'#':>3} {'status':7} {'wall s':>7} {'lock wait s':>11}  error")
     for r in results:
-        print(f"{r['mode']:8} {r['index']:>3} {r['status']:7} {r['process_s']:7.1f}  "
-              f"{str(r.get('error', ''))[:90]}")
+        print(f"{r['mode']:8} {r['index']:>3} {r['status']:7} {r['process_s']:7.1f} "
+              f"{r.get('lock_wait_s', 0):11.1f}  {str(r.get('error', ''))[:90]}")
     print(f"\n{'mode':8} {'ok':>3} {'crash':>5} {'hang':>4} {'other':>5}  wall s min/median/max")
     for mode in ("lock", "no-lock"):
         rows = [r for r in results if r["mode"] == mode]

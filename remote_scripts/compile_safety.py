@@ -60,6 +60,10 @@ _thread = threading.local()  # .name: the safe_compile'd function this thread is
 _flex_singleton: Callable[..., Any] | None = None
 
 
+def _new_entry() -> dict[str, float]:
+    return {"calls": 0, "fallbacks": 0, "lock_wait_s": 0.0}
+
+
 def lock_enabled() -> bool:
     """False only when DFLASH_COMPILE_LOCK=0 (test/bench only: shows the unfixed race)."""
     return os.environ.get(LOCK_SWITCH_ENV, "1").strip() not in ("0", "false", "off", "no")
@@ -76,7 +80,10 @@ def configure_compile(
 
     Call before the first compiled call: inductor reads TORCHINDUCTOR_CACHE_DIR when it first
     compiles. The cache persists across processes, so warmup_compile.py fills what training reads.
-    TRITON_CACHE_DIR goes beside it (`<parent>/triton`) unless the environment already names one.
+    TRITON_CACHE_DIR goes with it, `<cache_dir>/triton` (torch's own layout), unless the
+    environment already names one (the toolkit exports both from the inventory). Not a sibling
+    `<parent>/triton`: when that parent was on sys.path (a script's own directory), the empty
+    directory shadowed the triton package and `import torch._dynamo` failed (seen here).
     """
     global _settings
     if recompile_limit < 1:
@@ -84,9 +91,7 @@ def configure_compile(
     inductor_dir = triton_dir = None
     if cache_dir is not None:
         inductor_dir = os.path.abspath(os.fspath(cache_dir))
-        triton_dir = os.environ.get("TRITON_CACHE_DIR") or os.path.join(
-            os.path.dirname(inductor_dir), "triton"
-        )
+        triton_dir = os.environ.get("TRITON_CACHE_DIR") or os.path.join(inductor_dir, "triton")
         os.makedirs(inductor_dir, exist_ok=True)
         os.makedirs(triton_dir, exist_ok=True)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_dir
@@ -132,10 +137,12 @@ def safe_compile(
     name: str,
     *,
     use_lock: bool | None = None,
+    call_defaults: dict[str, Any] | None = None,
     **compile_kwargs: Any,
 ) -> Callable[..., Any]:
     """torch.compile(fn) behind COMPILE_LOCK on every call; `fn` itself when compile is disabled.
 
+    `call_defaults`: keyword arguments added to every call that does not give them.
     `use_lock=False` (or DFLASH_COMPILE_LOCK=0) is for the regression test and the bench only.
     """
     settings = _settings
@@ -148,20 +155,25 @@ def safe_compile(
     compiled = torch.compile(fn, **compile_kwargs)
     locked = lock_enabled() if use_lock is None else use_lock
     with _state_lock:
-        _stats.setdefault(name, {"calls": 0, "fallbacks": 0, "lock_wait_s": 0.0})
-    return _SafeCompiled(compiled, name, locked)
+        _stats.setdefault(name, _new_entry())
+    return _SafeCompiled(compiled, name, locked, call_defaults or {})
 
 
 class _SafeCompiled:
     """The compiled callable; every call holds COMPILE_LOCK (when locked) and is counted."""
 
-    def __init__(self, compiled: Callable[..., Any], name: str, locked: bool) -> None:
+    def __init__(
+        self, compiled: Callable[..., Any], name: str, locked: bool, defaults: dict[str, Any]
+    ) -> None:
         self._compiled = compiled
         self.name = name
-        self.locked = locked
+        self.locked = locked  # the bench flips it after warm-up to measure the lock's cost
+        self.defaults = defaults
         self.__wrapped__ = compiled
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        for key, value in self.defaults.items():
+            kwargs.setdefault(key, value)
         if not self.locked:
             return self._call_marked(args, kwargs, 0.0)
         t0 = time.perf_counter()
@@ -176,7 +188,7 @@ class _SafeCompiled:
         finally:
             _thread.name = outer
             with _state_lock:
-                entry = _stats[self.name]
+                entry = _stats.setdefault(self.name, _new_entry())
                 entry["calls"] += 1
                 entry["lock_wait_s"] += waited
 
@@ -195,15 +207,11 @@ def compiled_flex_attention() -> Callable[..., Any]:
             return _flex_singleton
     from torch.nn.attention.flex_attention import flex_attention
 
-    compiled = safe_compile(flex_attention, "flex_attention")
     kernel_options = _settings.kernel_options
-    if kernel_options and compiled is not flex_attention:
-        inner = compiled
-
-        def compiled(*args: Any, **kwargs: Any) -> Any:  # noqa: F811 - adds default options
-            kwargs.setdefault("kernel_options", kernel_options)
-            return inner(*args, **kwargs)
-
+    compiled = safe_compile(
+        flex_attention, "flex_attention",
+        call_defaults={"kernel_options": kernel_options} if kernel_options else None,
+    )
     with _state_lock:
         if _flex_singleton is None:
             _flex_singleton = compiled
@@ -254,7 +262,7 @@ class _FallbackHandler(logging.Handler):
             return
         name = getattr(_thread, "name", None) or "<not a safe_compile function>"
         with _state_lock:
-            entry = _stats.setdefault(name, {"calls": 0, "fallbacks": 0, "lock_wait_s": 0.0})
+            entry = _stats.setdefault(name, _new_entry())
             entry["fallbacks"] += 1
         limit = record.args[1] if isinstance(record.args, tuple) and len(record.args) > 1 else "?"
         log.warning(

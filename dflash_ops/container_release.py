@@ -95,7 +95,14 @@ def main(args):
     code, releases = args["code"], args["releases"]
     os.makedirs(releases, exist_ok=True)
     lock = os.open(os.path.join(releases, ".lock"), os.O_CREAT | os.O_RDWR, 0o600)
-    fcntl.flock(lock, fcntl.LOCK_EX)  # one deploy at a time per container
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one deploy at a time per container
+        return install(code, releases, args)
+    finally:
+        os.close(lock)
+
+
+def install(code, releases, args):
     for name in os.listdir(releases):
         if name.startswith(".stage-"):  # left by an interrupted deploy
             shutil.rmtree(os.path.join(releases, name), ignore_errors=True)
@@ -107,7 +114,10 @@ def main(args):
     current = os.path.realpath(code) if os.path.isdir(code) else None
     release_dir = os.path.join(releases, args["release"])
     if not complete(release_dir, args["tree"]):
-        if os.path.lexists(release_dir):
+        if os.path.realpath(release_dir) == current:
+            # The live release was edited in place: stage beside it, swap, let pruning remove it later.
+            release_dir = "%s.%d" % (release_dir, os.getpid())
+        elif os.path.lexists(release_dir):
             shutil.rmtree(release_dir)
         stage_dir = os.path.join(releases, ".stage-%s-%d" % (args["release"], os.getpid()))
         stage(current, args["tarball"], stage_dir)

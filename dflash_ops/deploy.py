@@ -170,6 +170,15 @@ def tiny_target_line(container: Container) -> str:
 
 # --- the task -----------------------------------------------------------------------------------
 
+def ship(t: Target, plan: Plan, data: bytes, host_tmp: str | None = None) -> str:
+    """One SFTP put of the tar to a host temp file, then one host line that installs the release."""
+    host_tmp = host_tmp or f"/tmp/dflash-deploy-{t.container.ctid}-{secrets.token_hex(6)}.tar.gz"
+    t.session.put_bytes(data, host_tmp)
+    line = stage_line(t.container, host_tmp, plan)
+    t.session.run_in(t.container, line)
+    return line
+
+
 @dataclass
 class DeployReport:
     release: str
@@ -211,9 +220,7 @@ def deploy(t: Target, root: Path = REPO_ROOT, echo: Callable[[str], None] | None
         say(f"code: up to date (release {plan.release}, {len(local)} files in {ct.paths.code})")
     else:
         data = pack(local, plan.changed, manifest_bytes(local, plan.tree))
-        host_tmp = f"/tmp/dflash-deploy-{ct.ctid}-{secrets.token_hex(6)}.tar.gz"
-        session.put_bytes(data, host_tmp)
-        run(stage_line(ct, host_tmp, plan))
+        sent_lines.append(ship(t, plan, data))
         report.changed, report.deleted = plan.changed, plan.deleted
         report.files_sent, report.bytes_sent = len(plan.changed), len(data)
         say(f"code: release {plan.release} is live in {ct.paths.code}: {len(plan.changed)} changed, "

@@ -1,0 +1,258 @@
+"""deploy's pure parts and its in-container scripts, run here on a real filesystem (no SSH).
+
+container_release.py and container_facts.py are the exact text deploy sends to the container's
+python; here they run as imported modules and through the same `python -c LOADER <packed>` argv.
+"""
+
+import fcntl
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from dflash_ops import caches, container_facts, container_release, deploy, facts
+from dflash_ops.errors import RunStateError
+from dflash_ops.inventory import parse_inventory
+
+INVENTORY = {
+    "hosts": {"pve1": {"address": "pve1.example", "pct": "/usr/sbin/pct"}},
+    "containers": {200: {"host": "pve1", "paths": {"code": "/root/my code", "venv": "/root/venv",
+                                                   "runs": "/root/runs", "model": "/dev/shm/m"}}},
+}
+
+
+@pytest.fixture
+def ct():
+    return parse_inventory(INVENTORY).container(200)
+
+
+def git_repo(tmp_path, files, ignore=""):
+    root = tmp_path / "repo"
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    (root / ".gitignore").write_text(ignore)
+    subprocess.run(["git", "init", "-q", str(root)], check=True)
+    return root
+
+
+# --- the local tree -----------------------------------------------------------------------------
+
+def test_payload_is_tracked_plus_untracked_not_ignored_without_bytecode(tmp_path):
+    root = git_repo(tmp_path, {"remote_scripts/a.py": "a", "remote_scripts/sub/b.txt": "b",
+                               "remote_scripts/__pycache__/a.cpython-311.pyc": "x",
+                               "remote_scripts/out/big.bin": "ignored", "other/c.py": "c"},
+                    ignore="remote_scripts/out/\n")
+    subprocess.run(["git", "-C", str(root), "add", "remote_scripts/a.py"], check=True)
+    assert deploy.payload_files(root) == ["remote_scripts/a.py", "remote_scripts/sub/b.txt"]
+    tree = deploy.local_tree(root)
+    assert sorted(tree) == ["a.py", "sub/b.txt"]
+    assert tree["a.py"].sha256 == "ca978112ca1bbdcafac231b39a23dc4da786eff8147c4e72b9807785afee48bb"
+
+
+def test_tree_hash_depends_on_names_and_contents_not_order():
+    a = {"x.py": "1" * 64, "y.py": "2" * 64}
+    assert deploy.tree_hash(a) == deploy.tree_hash(dict(reversed(list(a.items()))))
+    assert deploy.tree_hash(a) != deploy.tree_hash({"x.py": "2" * 64, "y.py": "1" * 64})
+    assert deploy.tree_hash(a) != deploy.tree_hash({"x.py": "1" * 64, "z.py": "2" * 64})
+
+
+# --- the plan -----------------------------------------------------------------------------------
+
+LOCAL = {"a.py": "a" * 64, "b.py": "b" * 64, "data/t.jsonl": "c" * 64}
+
+
+def remote(files, link=True, tree=None):
+    return {"exists": True, "link": link, "files": files, "tree": tree or deploy.tree_hash(files)}
+
+
+@pytest.mark.parametrize("code_fact,changed,deleted,up_to_date", [
+    (None, ["a.py", "b.py", "data/t.jsonl"], [], False),                          # never deployed
+    ({"exists": False}, ["a.py", "b.py", "data/t.jsonl"], [], False),
+    (remote(LOCAL), [], [], True),                                                 # nothing changed
+    (remote({**LOCAL, "b.py": "f" * 64}), ["b.py"], [], False),                    # one file edited
+    (remote({**LOCAL, "old.py": "d" * 64}), [], ["old.py"], False),                # one file removed locally
+    (remote({k: v for k, v in LOCAL.items() if k != "a.py"}), ["a.py"], [], False),  # one file added
+    (remote(LOCAL, link=False), [], [], False),                                    # a plain dir: not deploy's layout
+    (remote(LOCAL, tree="0" * 64), [], [], False),                                 # manifest of another tree
+])
+def test_plan(code_fact, changed, deleted, up_to_date):
+    plan = deploy.make_plan(LOCAL, code_fact)
+    assert (list(plan.changed), list(plan.deleted), plan.up_to_date) == (changed, deleted, up_to_date)
+    assert plan.release == deploy.tree_hash(LOCAL)[:16]
+
+
+def test_pack_holds_only_the_changed_files_and_the_manifest(tmp_path):
+    root = git_repo(tmp_path, {"remote_scripts/a.py": "print('a')\n", "remote_scripts/run.sh": "#!/bin/sh\n",
+                               "remote_scripts/b.py": "b"})
+    (root / "remote_scripts/run.sh").chmod(0o755)
+    local = deploy.local_tree(root)
+    manifest = deploy.manifest_bytes(local, "t" * 64)
+    data = deploy.pack(local, ["a.py", "run.sh"], manifest)
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        members = {m.name: m for m in tar.getmembers()}
+        assert sorted(members) == [deploy.MANIFEST, "a.py", "run.sh"]
+        assert tar.extractfile("a.py").read() == b"print('a')\n"
+        assert members["run.sh"].mode == 0o755 and members["a.py"].mode == 0o644
+        listed = json.loads(tar.extractfile(deploy.MANIFEST).read())
+    assert listed["tree"] == "t" * 64 and set(listed["files"]) == {"a.py", "b.py", "run.sh"}
+
+
+# --- host lines ---------------------------------------------------------------------------------
+
+def test_stage_line_pushes_stages_and_always_removes_the_host_copy(ct):
+    plan = deploy.make_plan(LOCAL, None)
+    line = deploy.stage_line(ct, "/tmp/dflash-deploy-200-abc.tar.gz", plan)
+    push, _, rest = line.partition(" && ")
+    assert push == "/usr/sbin/pct push 200 /tmp/dflash-deploy-200-abc.tar.gz /tmp/dflash-deploy-200-abc.tar.gz"
+    assert rest.startswith("/usr/sbin/pct exec 200 -- env -i -- ")
+    assert rest.endswith("; rc=$?; rm -f -- /tmp/dflash-deploy-200-abc.tar.gz; exit $rc")
+    assert "\n" not in line  # dry-run prints one line per host line
+    assert "'/root/my code.releases'" not in line and '"releases": "/root/my code.releases"' in line
+
+
+def test_script_line_runs_the_exact_script_text(tmp_path):
+    """The LOADER + packed script argv, run here by a real python, answers like the module itself."""
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "x.py").write_text("x")
+    payload = {"code": str(tmp_path / "code"), "want": ["code"]}
+    argv = [sys.executable, "-c", facts.LOADER, facts.packed(facts.CONTAINER_FACTS), "facts", json.dumps(payload)]
+    answer = facts.parse_json_line(subprocess.run(argv, capture_output=True, text=True, check=True).stdout, "t")
+    assert answer["code"] == container_facts.code_fact(str(tmp_path / "code"))
+    assert answer["code"]["files"] == {"x.py": "2d711642b726b04401627ca9fbac32f5c8530fb1903cc4db02258717921a4881"}
+
+
+# --- staging a release (container_release.py, on a real filesystem) -------------------------------
+
+class Container:
+    """A stand-in container filesystem under tmp_path; deploys go through the real staging code."""
+
+    def __init__(self, tmp_path):
+        self.base = tmp_path
+        self.code = str(tmp_path / "root" / "dflash")
+        self.releases = self.code + ".releases"
+        (tmp_path / "root").mkdir()
+
+    def deploy(self, files: dict, truncate: bool = False):
+        src = self.base / "src"
+        if src.exists():
+            subprocess.run(["rm", "-rf", str(src)], check=True)
+        local = {}
+        for rel, text in files.items():
+            (src / rel).parent.mkdir(parents=True, exist_ok=True)
+            (src / rel).write_text(text)
+            local[rel] = deploy.LocalFile(src / rel, deploy.hashlib.sha256(text.encode()).hexdigest(), 0o644)
+        fact = container_facts.code_fact(self.code)
+        plan = deploy.make_plan({r: f.sha256 for r, f in local.items()}, fact)
+        data = deploy.pack(local, plan.changed, deploy.manifest_bytes(local, plan.tree))
+        if truncate:
+            data = data[: len(data) // 2]
+        tarball = self.base / "upload.tar.gz"
+        tarball.write_bytes(data)
+        args = {"code": self.code, "releases": self.releases, "tarball": str(tarball), "release": plan.release,
+                "tree": plan.tree, "keep": deploy.KEEP_RELEASES}
+        return plan, container_release.main(args)
+
+    def files(self):
+        return {rel: (Path(self.code) / rel).read_text() for rel in container_facts.tree_hashes(self.code)}
+
+
+def test_first_deploy_then_one_change_then_nothing(tmp_path):
+    box = Container(tmp_path)
+    v1 = {"a.py": "a1", "pkg/b.py": "b1", "gone.py": "g"}
+    plan, out = box.deploy(v1)
+    assert out["previous"] is None and os.path.islink(box.code) and box.files() == v1
+    v2 = {"a.py": "a2", "pkg/b.py": "b1"}
+    plan2, out2 = box.deploy(v2)
+    assert plan2.changed == ("a.py",) and plan2.deleted == ("gone.py",)
+    assert box.files() == v2 and out2["previous"] == out["release"]
+    assert Path(out["release"], "a.py").read_text() == "a1"   # the previous release is kept whole
+    assert deploy.make_plan({r: deploy.hashlib.sha256(t.encode()).hexdigest() for r, t in v2.items()},
+                            container_facts.code_fact(box.code)).up_to_date
+
+
+def test_truncated_upload_leaves_the_previous_release_live_and_the_next_deploy_completes(tmp_path):
+    box = Container(tmp_path)
+    box.deploy({"a.py": "a1", "b.py": "b1"})
+    before = os.readlink(box.code)
+    big = {"a.py": "a2", "b.py": os.urandom(200_000).hex()}  # big enough that half a tar is a broken stream
+    with pytest.raises((tarfile.TarError, EOFError, OSError, SystemExit)):
+        box.deploy(big, truncate=True)
+    assert os.readlink(box.code) == before and box.files() == {"a.py": "a1", "b.py": "b1"}
+    assert any(n.startswith(".stage-") for n in os.listdir(box.releases))  # the half-built stage, unused
+    box.deploy(big)
+    assert box.files() == big
+    assert not any(n.startswith(".stage-") for n in os.listdir(box.releases))
+
+
+def test_a_live_release_edited_in_place_is_replaced_atomically(tmp_path):
+    box = Container(tmp_path)
+    v1 = {"a.py": "a1", "b.py": "b1"}
+    _, out = box.deploy(v1)
+    Path(box.code, "a.py").write_text("edited by hand")
+    plan, again = box.deploy(v1)
+    assert plan.changed == ("a.py",) and box.files() == v1
+    assert again["previous"] == out["release"] and again["release"] != out["release"]
+
+
+def test_old_releases_are_pruned_and_a_legacy_code_dir_is_kept_as_a_release(tmp_path):
+    box = Container(tmp_path)
+    Path(box.code).mkdir()
+    Path(box.code, "hand.py").write_text("by hand")
+    for i in range(5):
+        box.deploy({"a.py": f"v{i}"})
+    names = sorted(os.listdir(box.releases))
+    assert len([n for n in names if not n.startswith(".")]) == deploy.KEEP_RELEASES
+    assert box.files() == {"a.py": "v4"}
+
+
+# --- run lock and cache cleaning (container_facts.py) ---------------------------------------------
+
+def test_cache_cleaner_refuses_while_the_runs_lock_is_held_and_force_overrides(tmp_path):
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    (runs / ".current").write_text("run-1\n")
+    cache = tmp_path / "inductor"
+    (cache / "sub").mkdir(parents=True)
+    (cache / "sub" / "k.bin").write_bytes(b"x" * 1000)
+    args = {"caches": {"inductor": str(cache), "triton": str(tmp_path / "none")},
+            "lock": str(runs / ".lock"), "current": str(runs / ".current")}
+    holder = open(runs / ".lock", "w")
+    fcntl.flock(holder, fcntl.LOCK_EX)  # what a live run's processes hold (jobs.py)
+    try:
+        assert container_facts.alive_run(args["lock"], args["current"]) == "run-1"
+        answer = container_facts.clean_caches(args)
+        assert answer == {"refused": "run-1"} and cache.exists()
+        with pytest.raises(RunStateError, match="run 'run-1' is alive.*--force"):
+            caches.parse_clean(_Ct(), answer)
+        forced = caches.parse_clean(_Ct(), container_facts.clean_caches({**args, "force": True}))
+    finally:
+        holder.close()
+    assert not cache.exists()
+    assert [(f.name, f.bytes, f.files, f.existed) for f in forced] == [("inductor", 1000, 1, True),
+                                                                       ("triton", 0, 0, False)]
+    assert container_facts.alive_run(args["lock"], args["current"]) is None
+
+
+class _Ct:
+    label = "pve1/200"
+
+
+def test_gpu_verdicts(ct):
+    assert facts.gpu_verdict(ct, 0)[0]  # no roles: CPU only
+    gpu = parse_inventory({**INVENTORY, "containers": {200: {"host": "pve1", "roles": {"target": [0, 1, 2, 3, 4],
+                                                                                      "drafter": [5, 6, 7]}}}})
+    g = gpu.container(200)
+    assert facts.gpus_needed(g) == 8
+    assert facts.gpu_verdict(g, 8)[0] and not facts.gpu_verdict(g, 7)[0]
+    assert "the roles need 8" in facts.gpu_verdict(g, 7)[1]
+
+
+def test_human_bytes():
+    assert [facts.human_bytes(n) for n in (0, 1023, 1024, 5 << 20, 3 << 40)] == \
+        ["0 B", "1023 B", "1.0 KiB", "5.0 MiB", "3.0 TiB"]

@@ -1,7 +1,8 @@
 """The status parser on outputs recorded from the status fact script in the embedded host's container.
 
-Recorded with `sh -c STATUS_SCRIPT sh /root/runs NAME` (log lines trimmed); the GPU lines and the
-out-of-memory log are in nvidia-smi's and torch's formats but not from this machine (it has no GPU).
+Recorded with `sh -c STATUS_SCRIPT sh /root/runs NAME` (log lines trimmed). H200_BUSY was recorded
+on an NVIDIA H200 machine (driver 580.159.04) while torch held 8 GB on it and a `flock` held the
+runs lock; GPUS and the out-of-memory log are written in nvidia-smi's and torch's formats.
 """
 
 import json
@@ -84,6 +85,16 @@ log dflash-ops: training process 280 ended: exit 0
 end
 """
 
+H200_BUSY = """\
+now 1795955514
+name r1
+exists 1
+alive 1
+started 1795955506 
+gpu 0, 3, 8251, 143771
+end
+"""
+
 MISSING = "now 1795954070\nname nope\nexists 0\nend\n"
 NO_RUN_YET = "now 1795954070\nname \nend\n"
 
@@ -163,6 +174,13 @@ def test_gpu_lines_and_nvidia_smi_errors():
     assert [(g.index, g.utilization, g.memory_used_mib, g.memory_total_mib) for g in st.gpus] == [
         (0, 97, 70211, 143771), (1, 0, 1, 143771), (2, None, None, 143771)]
     assert "couldn't communicate" in st.gpu_error
+
+
+def test_recorded_h200():
+    st = parse_status(H200_BUSY)
+    assert (st.state, st.uptime_s, st.idle_s) == ("running", 8, 8)
+    assert [(g.index, g.utilization, g.memory_used_mib, g.memory_total_mib) for g in st.gpus] == [(0, 3, 8251, 143771)]
+    assert st.gpu_error is None
 
 
 def test_known_failure_in_the_last_log_lines_names_the_runbook():

@@ -9,6 +9,7 @@ training_state.pt (optimizer, scheduler, step, sampler, RNG).
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -58,14 +59,34 @@ def save_checkpoint(run_dir: str, step: int, write_files, keep_last: int) -> str
         temp = os.path.join(root, f".tmp-step-{step}-{os.getpid()}")
         shutil.rmtree(temp, ignore_errors=True)
         os.makedirs(temp)
-        write_files(temp)
-        _fsync_tree(temp)
+        try:
+            write_files(temp)
+            _fsync_tree(temp)
+        except Exception as exc:
+            plain = _failed_save(root, temp, step, exc)
+            if plain is exc:
+                raise
+            raise plain from exc
         shutil.rmtree(final, ignore_errors=True)  # an incomplete leftover of a crashed save
         os.rename(temp, final)
         _fsync_path(root)
     write_atomic(os.path.join(root, "latest"), f"step-{step}\n")
     prune(root, keep_last, keep=f"step-{step}")
     return final
+
+
+def _failed_save(root: str, temp: str, step: int, exc: Exception) -> Exception:
+    """Drop the partial save (frees its space); name a full disk plainly, since torch.save's own
+    error for it is an opaque `enforce fail ... unexpected pos` RuntimeError without an errno."""
+    written = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(temp) for f in fs)
+    shutil.rmtree(temp, ignore_errors=True)
+    if getattr(exc, "errno", None) == errno.ENOSPC:
+        return exc
+    free = shutil.disk_usage(root).free - written  # free space when the write failed
+    if free < max(written, 1 << 20):
+        return OSError(errno.ENOSPC, f"No space left on device: checkpoint step-{step} did not fit in {root} "
+                                     f"({type(exc).__name__}: {str(exc).strip()[:120]})")
+    return exc
 
 
 def complete_steps(root: str) -> list[int]:

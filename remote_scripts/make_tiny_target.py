@@ -17,7 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
 
 import torch
 
@@ -108,9 +110,19 @@ def main():
     model = build_model(tokenizer, args.seed)
     if args.fit_steps > 0:
         fit(model, tokenizer, args.fit_data, args.fit_steps, args.seed)
-    os.makedirs(args.out, exist_ok=True)
-    model.save_pretrained(args.out)
-    tokenizer.save_pretrained(args.out)
+    # Written beside the destination and renamed into place: a full /dev/shm must not leave a
+    # config.json without weights, which deploy would take for a finished model and never redo.
+    out = os.path.abspath(args.out)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    temp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=os.path.dirname(out))
+    try:
+        model.save_pretrained(temp)
+        tokenizer.save_pretrained(temp)
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    shutil.rmtree(out, ignore_errors=True)  # a partial leftover of an older, non-atomic write
+    os.rename(temp, out)
     params = sum(p.numel() for p in model.parameters())
     print(f"tiny target: {params} parameters, vocab {model.config.vocab_size}, "
           f"{model.config.num_hidden_layers} layers -> {args.out}")

@@ -14,6 +14,7 @@ import io
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import tarfile
 import time
@@ -67,6 +68,21 @@ def payload_files(root: Path = REPO_ROOT, payload: str = PAYLOAD) -> list[str]:
     names = sorted({n for n in out.decode("utf-8", "surrogateescape").split("\0") if n})
     return [n for n in names if "__pycache__" not in n.split("/") and not n.endswith(".pyc")
             and (root / n).is_file()]
+
+
+def snapshot_checkout(dest: Path, root: Path = REPO_ROOT) -> Path:
+    """A frozen copy of this checkout (tasks.py, invoke.yaml, dflash_ops/, remote_scripts/) as a git
+    checkout of its own, that `invoke` can run from: tests and the benchmark edit its payload without
+    touching the working tree, and deploy what was there at that moment."""
+    out = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "-co", "--exclude-standard", "--",
+                          "tasks.py", "invoke.yaml", ".gitignore", "dflash_ops", PAYLOAD],
+                         check=True, capture_output=True).stdout.decode("utf-8", "surrogateescape")
+    for name in out.split("\0"):
+        if name and "__pycache__" not in name.split("/") and (root / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(root / name, dest / name)
+    subprocess.run(["git", "init", "-q", str(dest)], check=True)
+    return dest
 
 
 def local_tree(root: Path = REPO_ROOT, payload: str = PAYLOAD) -> dict[str, LocalFile]:

@@ -9,6 +9,7 @@ caller asks for.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -24,7 +25,20 @@ class TargetLoadError(RuntimeError):
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    if not os.path.isdir(path):
+        raise TargetLoadError(f"target checkpoint directory not found: {path}")
+    with _load_errors(path, "tokenizer"):
+        return AutoTokenizer.from_pretrained(path)
+
+
+@contextlib.contextmanager
+def _load_errors(path: str, what: str):
+    """transformers' loading errors (missing files, bad json) as one-line TargetLoadErrors."""
+    try:
+        yield
+    except (OSError, ValueError, KeyError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise TargetLoadError(f"cannot load the target {what} from {path}: {first}") from None
 
 
 def _to(value, device):
@@ -79,8 +93,9 @@ class Target:
         if not os.path.isdir(path):
             raise TargetLoadError(f"target checkpoint directory not found: {path}")
         self.path = path
-        self.config = AutoConfig.from_pretrained(path)
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+        with _load_errors(path, "model"):
+            self.config = AutoConfig.from_pretrained(path)
+            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
         self.model.requires_grad_(False).eval()
         place(self.model, devices)
         self.devices = devices
@@ -117,7 +132,8 @@ class ShapeOnlyTarget:
         if not os.path.isdir(path):
             raise TargetLoadError(f"target checkpoint directory not found: {path}")
         self.path = path
-        self.config = AutoConfig.from_pretrained(path)
+        with _load_errors(path, "config"):
+            self.config = AutoConfig.from_pretrained(path)
         text = getattr(self.config, "text_config", None) or self.config
         self.hidden_size, self.dtype = text.hidden_size, DTYPES[dtype]
         self.layer_ids = layer_ids

@@ -30,7 +30,7 @@ def tiny_target(tmp_path_factory) -> str:
     return out
 
 
-def run_script(script: str, *args: str, timeout: float = 240, env_extra: dict | None = None):
+def run_script(script: str, *args: str, timeout: float = 600, env_extra: dict | None = None):
     """Run a remote script as the toolkit does: a subprocess of the real CLI."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env_extra or {})}
     return subprocess.run([sys.executable, os.path.join(REMOTE, script), *args], env=env,

@@ -44,3 +44,14 @@ def test_shape_only_target_has_the_real_widths(tiny_target):
 def test_missing_directory_is_a_clear_error(tmp_path):
     with pytest.raises(TargetLoadError, match="not found"):
         Target(str(tmp_path / "absent"), ["cpu"], "float32")
+
+
+def test_directory_without_a_checkpoint_is_a_one_line_error(tmp_path):
+    from target_model import load_tokenizer
+
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(TargetLoadError, match=r"^cannot load the target tokenizer from .*") as info:
+        load_tokenizer(str(tmp_path))
+    assert "\n" not in str(info.value)
+    with pytest.raises(TargetLoadError, match=r"^cannot load the target model from "):
+        Target(str(tmp_path), ["cpu"], "float32")

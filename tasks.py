@@ -7,6 +7,7 @@ from invoke import Collection
 
 from dflash_ops import cli
 from dflash_ops.cli import op_task
+from dflash_ops.multinode import fans_out
 from dflash_ops.errors import UsageError
 
 
@@ -76,7 +77,7 @@ def _report(result) -> None:
 
 # --- deploy, doctor, compile caches ---------------------------------------------------------------
 @op_task
-def deploy(c, ct=None, dry_run=False, inventory=None):
+def deploy(c, ct=None, group=None, dry_run=False, inventory=None):
     """Ship remote_scripts/ into the container, refresh its venv if the requirements changed, check torch.
 
     Only files whose sha256 differs from the container's copy travel, as one tar over SFTP; the
@@ -87,8 +88,11 @@ def deploy(c, ct=None, dry_run=False, inventory=None):
     that torch imports in the container and sees the GPUs the inventory's roles name, and creates
     the tiny target model when the inventory asks for one. Nothing changed: one round trip.
     """
-    from dflash_ops import deploy as deploy_mod
+    from dflash_ops import deploy as deploy_mod, multinode
 
+    if fans_out(ct, group):
+        cli.for_each(c, multinode.deploy_row, ct, group, inventory, dry_run, title="deploy")
+        return
     report = deploy_mod.deploy(cli.target(c, ct, inventory, dry_run))
     if not dry_run:
         print(deploy_mod.describe(report))
@@ -118,8 +122,10 @@ def warmup(c, config=None, set=None, ct=None, inventory=None, dry_run=False):
            "(default: the UTC time, e.g. 20260101-120000)",
     "config": "training config in the container, relative to paths.code (default: the inventory's train_config)",
     "set": "override a config value, key=value (repeatable), passed to train_dflash.py as given",
-    "max_steps": "stop at this step (the LR schedule still follows train.max_steps)"})
-def train(c, run=None, config=None, set=None, max_steps=None, ct=None, inventory=None, dry_run=False):
+    "max_steps": "stop at this step (the LR schedule still follows train.max_steps)",
+    "rdzv_port": "multi-node (--group or several --ct): the rendezvous port on the first container's node"})
+def train(c, run=None, config=None, set=None, max_steps=None, ct=None, group=None, inventory=None, dry_run=False,
+          rdzv_port=29400):
     """Start a detached training run in the container; refused while another run is alive.
 
     The run survives this SSH session and your terminal: it is started with `setsid` under a
@@ -128,8 +134,18 @@ def train(c, run=None, config=None, set=None, max_steps=None, ct=None, inventory
     resolved, the environment (secrets masked) and the deployed code version. One run at a time per
     container, enforced by a lock in the container, so two launches at the same moment start one.
     Returns after checking that the process is alive; follow it with `invoke logs --follow`.
+
+    With --group NAME (or --ct 200,201) it is one run over all those containers: each starts it
+    under torchrun (c10d rendezvous on the first container's node, --rdzv-port), drafter gradients
+    are averaged within each node and then across nodes, global rank 0 writes the checkpoints.
+    `status`, `logs` and `stop` with the same --group show and stop every node.
     """
-    from dflash_ops import jobs
+    from dflash_ops import jobs, multinode
+
+    if fans_out(ct, group):
+        multinode.launch_group(c, run, config, set or (), int(max_steps) if max_steps is not None else None,
+                               ct, group, inventory, dry_run, port=int(rdzv_port))
+        return
 
     t = cli.target(c, ct, inventory, dry_run)
     launched = jobs.launch(t, run, config, set or (), int(max_steps) if max_steps is not None else None)
@@ -142,7 +158,7 @@ def train(c, run=None, config=None, set=None, max_steps=None, ct=None, inventory
 @op_task(help={"run": "run name (default: the latest run)",
                "n": "how many of the last lines to show",
                "follow": "keep printing new lines until the run ends (Ctrl-C stops following only)"})
-def logs(c, run=None, n=50, follow=False, ct=None, inventory=None, dry_run=False):
+def logs(c, run=None, n=50, follow=False, ct=None, group=None, inventory=None, dry_run=False):
     """Show a run's log (the last -n lines), or follow it until the run ends.
 
     Lines that match a known failure (the torch.compile FX-tracing race, CUDA out of memory, NCCL
@@ -150,8 +166,12 @@ def logs(c, run=None, n=50, follow=False, ct=None, inventory=None, dry_run=False
     `tail -F`, so it keeps up when the log is rotated or the run restarts, and exits when the run
     ends. Ctrl-C or a lost connection stops the follower in the container too; the run goes on.
     """
-    from dflash_ops import logs as logs_mod
+    from dflash_ops import logs as logs_mod, multinode
 
+    if fans_out(ct, group):  # every line prefixed with its container
+        cli.for_each(c, lambda t: multinode.logs_row(t, run, int(n), follow), ct, group, inventory, dry_run,
+                     title="logs")
+        return
     printer = logs_mod.show(cli.target(c, ct, inventory, dry_run), run, int(n), follow)
     if printer.interrupted:
         print("stopped following; the run goes on")
@@ -162,7 +182,7 @@ def logs(c, run=None, n=50, follow=False, ct=None, inventory=None, dry_run=False
 @op_task(help={"run": "run name (default: the latest run)",
                "json": "print the facts as JSON for scripts",
                "stall_after": "call a running run stalled after this many seconds without a new log line or metric"})
-def status(c, run=None, json=False, stall_after=600, ct=None, inventory=None, dry_run=False):
+def status(c, run=None, json=False, stall_after=600, ct=None, group=None, inventory=None, dry_run=False):
     """Show a run's state, progress and the GPUs, in one round trip.
 
     State: running, stalled (alive, but no new log line or metric for --stall-after seconds),
@@ -170,8 +190,11 @@ def status(c, run=None, json=False, stall_after=600, ct=None, inventory=None, dr
     loss, acceptance length, tokens/s, learning rate, per-GPU utilisation and memory when the
     container has nvidia-smi, and the runbook to read when the log's last lines show a known failure.
     """
-    from dflash_ops import status as status_mod
+    from dflash_ops import multinode, status as status_mod
 
+    if fans_out(ct, group):  # one compact row per container; --json: {container: facts} on stdout
+        multinode.status_fan_out(c, run, float(stall_after), json, ct, group, inventory, dry_run)
+        return
     t = cli.target(c, ct, inventory, dry_run)
     st = status_mod.gather(t, run, float(stall_after))
     if st is None:
@@ -184,14 +207,18 @@ def status(c, run=None, json=False, stall_after=600, ct=None, inventory=None, dr
 
 @op_task(help={"run": "run name (default: the latest run)",
                "grace": "seconds to wait after SIGTERM (the run checkpoints) before SIGKILL"})
-def stop(c, run=None, grace=30, ct=None, inventory=None, dry_run=False):
+def stop(c, run=None, grace=30, ct=None, group=None, inventory=None, dry_run=False):
     """Stop a run: SIGTERM (it checkpoints), SIGKILL after --grace seconds, confirm nothing is left.
 
     Signals the run's whole process group, records "stopped" in the run directory, and checks that
     no process of the run is left and the container's run lock is free.
     """
-    from dflash_ops import jobs
+    from dflash_ops import jobs, multinode
 
+    if fans_out(ct, group):
+        cli.for_each(c, lambda t: multinode.stop_row(t, run, float(grace)), ct, group, inventory, dry_run,
+                     title="stop")
+        return
     t = cli.target(c, ct, inventory, dry_run)
     result = jobs.stop(t, run, float(grace))
     if dry_run:
@@ -204,7 +231,7 @@ def stop(c, run=None, grace=30, ct=None, inventory=None, dry_run=False):
               f"no process left")
 
 @op_task
-def doctor(c, ct=None, dry_run=False, inventory=None):
+def doctor(c, ct=None, group=None, dry_run=False, inventory=None):
     """Check the container is ready to train: one line per check, the fix for each that fails.
 
     One round trip gathers everything: container running, GPUs seen by nvidia-smi against the
@@ -213,20 +240,27 @@ def doctor(c, ct=None, dry_run=False, inventory=None):
     the model directory and its config (a multimodal config's text part), free space in /dev/shm
     and in the runs directory, and the compile caches' size. Exits non-zero if any check fails.
     """
-    from dflash_ops import doctor as doctor_mod
+    from dflash_ops import doctor as doctor_mod, multinode
 
+    if fans_out(ct, group):
+        cli.for_each(c, multinode.doctor_row, ct, group, inventory, dry_run, title="doctor")
+        return
     doctor_mod.doctor(cli.target(c, ct, inventory, dry_run))
 
 
 @op_task(help={"force": "clean even while a run is alive (its compile caches disappear under it)"})
-def clean_cache(c, force=False, ct=None, dry_run=False, inventory=None):
+def clean_cache(c, force=False, ct=None, group=None, dry_run=False, inventory=None):
     """Remove the container's compile caches (inductor, triton, torch extensions) and say what was freed.
 
     The directories are the inventory's `paths.caches`. Refused while a run is alive (it holds
     the runs lock and uses the caches) unless --force; the next warm-up fills them again.
     """
-    from dflash_ops import caches
+    from dflash_ops import caches, multinode
 
+    if fans_out(ct, group):
+        cli.for_each(c, lambda t: multinode.clean_cache_row(t, force), ct, group, inventory, dry_run,
+                     title="clean-cache")
+        return
     freed = caches.clean_cache(cli.target(c, ct, inventory, dry_run), force=force)
     if not dry_run:
         print(caches.describe(freed))

@@ -97,6 +97,7 @@ class Container:
     env: Mapping[str, str] = field(default_factory=dict)
     secret_env: tuple = ()
     pip_env: Mapping[str, str] = field(default_factory=dict)
+    rdzv_address: str | None = None  # multi-node training: where other nodes reach this container
 
     @property
     def label(self) -> str:
@@ -242,7 +243,7 @@ class _Reader:
 
 HOST_KEYS = {"address", "port", "user", "key", "known_hosts", "jump", "node", "pct"}
 CONTAINER_KEYS = {"host", "name", "roles", "python", "tiny_target", "paths", "train_config", "env",
-                  "secret_env", "pip_env"}
+                  "secret_env", "pip_env", "rdzv_address"}
 PATH_KEYS = {"venv", "code", "runs", "model", "data", "caches"}
 CACHE_KEYS = {"inductor", "triton", "torch_extensions"}
 TOP_KEYS = {"default_container", "hosts", "containers", "groups"}
@@ -270,9 +271,7 @@ def _host(r: _Reader, name, raw, base: Path) -> Host:
     if not isinstance(name, str) or not HOST_NAME.match(name):
         r.fail(key, "host names use letters, digits, '.', '_' and '-'")
     raw = r.mapping(raw, key, HOST_KEYS, required={"address"})
-    address = r.text(raw["address"], f"{key}.address")
-    if not address or address.startswith("-") or any(ch.isspace() for ch in address):
-        r.fail(f"{key}.address", f"not a host name or address: {address!r}")
+    address = _address(r, raw["address"], f"{key}.address")
     port = r.typed(raw.get("port", 22), f"{key}.port", int)
     if not 1 <= port <= 65535:
         r.fail(f"{key}.port", f"must be 1..65535, got {port}")
@@ -290,6 +289,21 @@ def _host(r: _Reader, name, raw, base: Path) -> Host:
         node=r.text(raw.get("node"), f"{key}.node", optional=True),
         pct=r.text(raw.get("pct", "pct"), f"{key}.pct"),
     )
+
+
+def _address(r: _Reader, raw, key: str, *, optional=False) -> str | None:
+    address = r.text(raw, key, optional=optional)
+    if address is not None and (not address or address.startswith("-") or any(ch.isspace() for ch in address)):
+        r.fail(key, f"not a host name or address: {address!r}")
+    return address
+
+
+def _rdzv_address(r: _Reader, raw, key: str) -> str | None:
+    """Becomes `ADDRESS:PORT` for torchrun: an IPv6 address must be written in brackets."""
+    address = _address(r, raw, key, optional=True)
+    if address is not None and ":" in address and not (address.startswith("[") and address.endswith("]")):
+        r.fail(key, f"write an IPv6 address in brackets, e.g. [fd00::2], got {address!r}")
+    return address
 
 
 def _roles(r: _Reader, raw, key: str) -> Roles:
@@ -348,6 +362,7 @@ def _container(r: _Reader, raw_id, raw, hosts: Mapping[str, Host]) -> Container:
         env=r.env(raw.get("env"), f"{key}.env"),
         secret_env=tuple(secret_env),
         pip_env=r.env(raw.get("pip_env"), f"{key}.pip_env"),
+        rdzv_address=_rdzv_address(r, raw.get("rdzv_address"), f"{key}.rdzv_address"),
     )
 
 

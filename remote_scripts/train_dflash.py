@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 import checkpoints
+import distributed
 import dflash_model as dm
 import training
 from dflash_data import DataError, Sampler, load_examples
@@ -109,6 +110,9 @@ def train(args) -> int:
     # drafters + compile settings (one worker per drafter device, identical replicas)
     drafters = training.build_drafters(config, target, tokenizer, drafter_devices)
     workers, mask_token_id, build_mask = drafters.workers, drafters.mask_token_id, drafters.build_mask
+    # multi-node (under torchrun): gradients, metrics and SIGTERM across nodes; else a no-op
+    node = distributed.maybe_init_distributed(drafter_devices[0], len(workers), stop)
+    node.share_latest_checkpoint(run_dir, config.train.keep_last)
 
     step = 0
     resume_from = checkpoints.latest_checkpoint(run_dir)
@@ -143,6 +147,8 @@ def train(args) -> int:
     window, window_start = [], time.perf_counter()
 
     def save(step):
+        if not node.writes_checkpoints:
+            return
         path = save_checkpoint(run_dir, step, workers, sampler, config)
         diff = training.replica_max_diff(workers)
         write_metrics(metrics, {"kind": "checkpoint", "step": step, "path": path,
@@ -153,14 +159,16 @@ def train(args) -> int:
         evaluate(workers[0], eval_batches, metrics, step)
     while step < stop_step and not stop.requested:
         step += 1
-        batches = [batch_for(w, [train_examples[i] for i in sampler.take(config.train.batch_size)],
-                             training.anchor_generator(config.train.seed, step, w.index))
-                   for w in workers]
+        batches = [batch_for(w, [train_examples[i] for i in picks],
+                             training.anchor_generator(config.train.seed, step, node.global_worker(w.index)))
+                   for w, picks in zip(workers, node.take(sampler, config.train.batch_size))]
         results = list(pool.map(lambda wb: wb[0].forward_backward(wb[1]), zip(workers, batches)))
         training.average_gradients(workers)
+        node.all_reduce_grads(workers)
+        results, tokens = node.gather_step(results, sum(b.tokens for b in batches), stop)
         lr = workers[0].scheduler.get_last_lr()[0]
         list(pool.map(lambda w: w.update(), workers))
-        window.append((results, sum(b.tokens for b in batches)))
+        window.append((results, tokens))
         if step % config.train.log_every == 0 or step == stop_step:
             log_train(metrics, step, stop_step, window, time.perf_counter() - window_start, lr,
                       target_devices + drafter_devices)
@@ -177,6 +185,7 @@ def train(args) -> int:
         log.info("stopped by SIGTERM at step %d", step)
     pool.shutdown()
     metrics.close()
+    node.close()
     return 0
 
 

@@ -94,6 +94,7 @@ def and_then(*lines: str) -> str:
 def mask(text: str, secrets: Iterable[str]) -> str:
     """Hide secret values (raw and quoted forms) in anything shown to a person."""
     for value in sorted({s for s in secrets if s}, key=len, reverse=True):
-        for form in {shlex.quote(value), value}:
+        # Inside a quoted word such as 'HF_TOKEN=a'"'"'b' a value's quotes are spelled '"'"'.
+        for form in sorted({shlex.quote(value), value, value.replace("'", "'\"'\"'")}, key=len, reverse=True):
             text = text.replace(form, MASK)
     return text

@@ -28,8 +28,8 @@ def small_drafter(seed=0, **kwargs) -> dm.DFlashDrafter:
 def random_inputs(drafter, batch=2, context=10, num_anchors=3, seed=1, all_valid=False):
     generator = torch.Generator().manual_seed(seed)
     loss_mask = torch.ones(batch, context)
-    if not all_valid:
-        loss_mask[1, :7] = 0  # row 1 has only two anchor positions: one padding block
+    if not all_valid:  # row 1 has fewer anchor positions than num_anchors: padding blocks
+        loss_mask[1, : context - num_anchors] = 0
     anchors, keep = dm.sample_anchors(loss_mask, num_anchors, generator)
     hidden = drafter.config.hidden_size
     target_hidden = torch.randn(batch, context, 2 * hidden, generator=generator)
@@ -39,11 +39,14 @@ def random_inputs(drafter, batch=2, context=10, num_anchors=3, seed=1, all_valid
     return anchors, keep, target_hidden, noise, positions
 
 
-def test_flex_forward_equals_dense_reference():
+@pytest.mark.parametrize("context, num_anchors", [(10, 3), (300, 40)])
+def test_flex_forward_equals_dense_reference(context, num_anchors):
+    """(300, 40): 160 queries x 460 keys spans several 128-blocks of the BlockMask, some empty."""
     from torch.nn.attention.flex_attention import flex_attention
 
     drafter = small_drafter().eval()
-    anchors, keep, target_hidden, noise, positions = random_inputs(drafter)
+    anchors, keep, target_hidden, noise, positions = random_inputs(drafter, context=context,
+                                                                   num_anchors=num_anchors)
     assert not keep.all(), "the inputs must include a padding block"
     dense_mask = dm.dense_dflash_mask(anchors, keep, target_hidden.shape[1], BLOCK)
     block_mask = dm.flex_dflash_mask(anchors, keep, target_hidden.shape[1], BLOCK)

@@ -20,10 +20,14 @@ from invoke.exceptions import CommandTimedOut
 
 from . import commands
 from .errors import (AuthFailed, ContainerMissing, ContainerStopped, HostKeyChanged, HostKeyUnknown,
-                     HostUnreachable, RemoteCommandFailed)
+                     HostUnreachable, RemoteCommandFailed, UnsafeValue)
 from .inventory import Container, Host
 
 DEFAULT_CONNECT_TIMEOUT = 10.0
+# The host's shell gets the line as one argument of `sh -c`: Linux caps one argument at 128 KiB
+# (MAX_ARG_STRLEN, NUL included). Longer lines failed as "Argument list too long", and past sshd's
+# packet size as a reset connection that looked like a network fault.
+MAX_LINE_BYTES = 131072 - 1
 STDERR_TAIL_LINES = 5
 
 
@@ -156,6 +160,11 @@ class HostSession:
     def run(self, line: str, *, stream: bool = False, check: bool = True, timeout: float | None = None,
             pty: bool = False, out_stream=None, err_stream=None) -> Result:
         """Run one host command line (one round trip). `check` raises RemoteCommandFailed on non-zero."""
+        size = len(line.encode("utf-8", "surrogateescape"))
+        if size > MAX_LINE_BYTES:
+            raise UnsafeValue(f"{self.host.name}: the command line would be {size} bytes, more than the "
+                              f"{MAX_LINE_BYTES} a remote shell accepts; shorten the longest value "
+                              f"(--set, --config, --run or the inventory's env)")
         if self.dry_run:
             self.echo(self.shown(line))
             return Result(line=line)

@@ -96,13 +96,24 @@ def complete_steps(root: str) -> list[int]:
                   if (m := STEP_DIR.match(name)) and os.path.isfile(os.path.join(root, name, STATE_FILE)))
 
 
+def _remove(root: str, name: str) -> None:
+    """Rename out of view first: a kill in the middle of the delete leaves no half-deleted step-N."""
+    doomed = os.path.join(root, f".del-{name}-{os.getpid()}")
+    os.rename(os.path.join(root, name), doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
 def prune(root: str, keep_last: int, keep: str) -> None:
     for step in complete_steps(root)[:-keep_last]:
         if f"step-{step}" != keep:
-            shutil.rmtree(os.path.join(root, f"step-{step}"), ignore_errors=True)
-    for name in os.listdir(root):  # temp dirs of saves that died before their rename
-        if name.startswith(".tmp-step-") and not name.endswith(f"-{os.getpid()}"):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            _remove(root, f"step-{step}")
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if STEP_DIR.match(name) and name != keep and not os.path.isfile(os.path.join(path, STATE_FILE)):
+            _remove(root, name)  # half-deleted by an older prune that was killed
+        elif name.startswith((".tmp-step-", ".del-", "latest.tmp-")) and not name.endswith(f"-{os.getpid()}"):
+            # left by a save, prune or pointer update that died
+            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
 
 
 def latest_checkpoint(run_dir: str) -> str | None:

@@ -4,16 +4,9 @@ import json
 
 import pytest
 
-from training_runs import deploy
+from training_runs import LONG, deployed  # noqa: F401 (deployed: the module's container)
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def deployed(sandbox):
-    d = deploy(sandbox)
-    yield d
-    d.stop_any()
 
 
 @pytest.fixture(autouse=True)
@@ -75,7 +68,7 @@ def test_hostile_or_unknown_run_names(deployed):
 
 
 def test_two_launches_at_the_same_moment_start_exactly_one(deployed):
-    racers = [deployed.popen("train", "--run", name, "--max-steps", "300") for name in ("race-a", "race-b")]
+    racers = [deployed.popen("train", "--run", name, *LONG) for name in ("race-a", "race-b")]
     results = [(p.wait(timeout=120), p.stdout.read()) for p in racers]
     codes = sorted(code for code, _ in results)
     assert codes == [0, 6], results
@@ -94,8 +87,8 @@ def test_two_launches_at_the_same_moment_start_exactly_one(deployed):
 
 
 def test_stop_checkpoints_then_the_same_name_resumes(deployed):
-    deployed.train("resume", "--max-steps", "400")
-    deployed.wait_for("a first metric", lambda: (deployed.status("resume")["step"] or 0) >= 1)
+    deployed.train("resume", *LONG)
+    deployed.wait_for_file("resume", "metrics.jsonl")
     stopped = deployed.invoke("stop", "--run", "resume", "--grace", "120")
     assert "(SIGTERM, exit code: 0)" in stopped.stdout and "no process left" in stopped.stdout
     assert deployed.processes() == []
@@ -104,7 +97,7 @@ def test_stop_checkpoints_then_the_same_name_resumes(deployed):
     stopped_at = st["step"]
     assert f"step-{stopped_at}" in deployed.container("ls", "/root/runs/resume/checkpoints").stdout
 
-    deployed.train("resume", "--max-steps", str(stopped_at + 1))
+    deployed.train("resume", "--max-steps", str(stopped_at + 1))  # the schedule stays 300 steps
     log = deployed.invoke("logs", "--follow", "--run", "resume", "-n", "1000", timeout=300).stdout
     assert f"resumed from /root/runs/resume/checkpoints/step-{stopped_at} at step {stopped_at}" in log
     final = deployed.status("resume")

@@ -4,16 +4,9 @@ import pytest
 from invoke import Context
 
 from dflash_ops import cli, status
-from training_runs import deploy
+from training_runs import LONG, deployed  # noqa: F401 (deployed: the module's container)
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def deployed(sandbox):
-    d = deploy(sandbox)
-    yield d
-    d.stop_any()
 
 
 def test_no_run_yet_and_unknown_run(deployed):
@@ -23,14 +16,15 @@ def test_no_run_yet_and_unknown_run(deployed):
 
 
 def test_stalled_then_running_then_killed_by_sigkill_is_crashed_with_the_signal(deployed):
-    deployed.train("victim", "--max-steps", "400")
+    deployed.train("victim", *LONG)
     pid = deployed.status("victim")["pid"]
     assert f"/root/venv/bin/python /root/dflash/train_dflash.py" in deployed.container(
         "ps", "-o", "args=", "-p", str(pid)).stdout
 
     deployed.container("kill", "-STOP", str(pid))  # alive, but silent: no log line, no metric
     stalled = deployed.wait_for("status to call the silent run stalled",
-                                lambda: (s := deployed.status("victim", "--stall-after", "2"))["state"] == "stalled" and s)
+                                lambda: (s := deployed.status("victim", "--stall-after", "2"))["state"] == "stalled" and s,
+                                every=2.0)
     assert stalled["idle_s"] > 2 and stalled["pid"] == pid
     assert "no new log line or metric" in stalled["detail"]
     assert [f["runbook"] for f in stalled["findings"]] == ["docs/runbooks/stalled-run.md"]
@@ -38,8 +32,8 @@ def test_stalled_then_running_then_killed_by_sigkill_is_crashed_with_the_signal(
     assert deployed.status("victim")["state"] == "running"  # the default threshold is 600 s
 
     deployed.container("kill", "-KILL", str(pid))
-    crashed = deployed.wait_for("the wrapper to record the kill",
-                                lambda: (s := deployed.status("victim"))["state"] != "running" and s)
+    deployed.wait_for_file("victim", "exit_code")
+    crashed = deployed.status("victim")
     assert (crashed["state"], crashed["exit_code"]) == ("crashed", "signal 9")
     assert crashed["detail"] == "killed by signal 9 (SIGKILL)"
     assert deployed.processes() == []  # the wrapper is gone too, and with it the run lock

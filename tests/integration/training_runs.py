@@ -10,10 +10,15 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 CT = "200"
-# A short real run: no held-out evaluation, a metric and a checkpoint every step.
-QUICK = ["--set", "data.heldout=null", "--set", "train.log_every=1", "--set", "train.save_every=1"]
+# A short real run: small batches, no held-out evaluation, a metric and a checkpoint every step.
+QUICK = ["--set", "data.heldout=null", "--set", "train.log_every=1", "--set", "train.save_every=1",
+         "--set", "train.batch_size=2", "--set", "data.num_anchors=4"]
+# A run that goes on until it is stopped (the schedule length caps --max-steps).
+LONG = ["--set", "train.max_steps=1000000", "--max-steps", "1000000"]
 
 
 class Deployed:
@@ -64,6 +69,13 @@ class Deployed:
             time.sleep(every)
         raise AssertionError(f"gave up waiting for {what}")
 
+    def wait_for_file(self, run: str, name: str, timeout=240.0) -> str:
+        """Poll the run directory from the host (cheap: no invoke process competing for the 2 cores)."""
+        path = f"/root/runs/{run}/{name}"
+        self.wait_for(f"{path}", lambda: self.container("test", "-s", path, check=False).returncode == 0,
+                      timeout=timeout, every=1.0)
+        return self.run_file(run, name)
+
     def train(self, run: str, *extra) -> str:
         r = self.invoke("train", "--run", run, *QUICK, *extra)
         assert f"run {run} started on pve1/{CT}" in r.stdout, r.stdout
@@ -85,3 +97,11 @@ def deploy(sandbox) -> Deployed:
     d.stop_any()
     d.container("rm", "-rf", "/root/runs")  # runs of an earlier module or session (a kept sandbox state)
     return d
+
+
+@pytest.fixture(scope="module")
+def deployed(sandbox):
+    """Container 200 deployed, without runs; any run a test module left alive is stopped at its end."""
+    d = deploy(sandbox)
+    yield d
+    d.stop_any()

@@ -13,13 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from . import commands
+from . import commands, jobs
 from .errors import RemoteCommandFailed
 from .inventory import Container
 
 CONTAINER_FACTS = (Path(__file__).with_name("container_facts.py")).read_text(encoding="utf-8")
-# jobs.py's run-directory layout: a run is alive while its processes hold the lock; .current names it.
-RUNS_LOCK, RUNS_CURRENT = ".lock", ".current"
 ALL_FACTS = ("code", "venv", "model", "gpus", "space", "caches", "runs")
 
 
@@ -42,7 +40,8 @@ def script_line(container: Container, script: str, verb: str | None, payload: di
 def facts_payload(container: Container, want: Iterable[str]) -> dict:
     p = container.paths
     return {"code": p.code, "venv": p.venv, "model": p.model, "runs": p.runs, "caches": p.caches.all(),
-            "lock": f"{p.runs}/{RUNS_LOCK}", "current": f"{p.runs}/{RUNS_CURRENT}", "want": sorted(want)}
+            # "A run is alive" is jobs.py's fact: its processes hold the runs lock; .current names it.
+            "lock": jobs.lock_path(container), "current": f"{p.runs}/{jobs.CURRENT}", "want": sorted(want)}
 
 
 def facts_line(container: Container, want: Iterable[str] = ALL_FACTS) -> str:

@@ -1,0 +1,188 @@
+"""The trained drafter in the official `dflash` inference code, on CPU with a tiny target.
+
+One real pipeline per module, as the toolkit runs it: a tiny target fitted to the synthetic data
+(so that its greedy answers have structure), the data regenerated with those answers
+(regenerate_data.py), a short training run (train_dflash.py), then eval_dflash.py on its checkpoint
+and on an untrained drafter. Loading and hidden-state parity with `dflash` are covered by
+test_dflash_interop.py; here: lossless `dflash_generate`, acceptance, and the regeneration itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import dflash_model as dm
+import eval_dflash
+import regenerate_data as rd
+from conftest import REMOTE, run_script, tiny_args
+
+pytestmark = pytest.mark.slow  # one real fit + regeneration + training run for the module (minutes)
+
+TRAIN_ROWS, HELDOUT_ROWS, STEPS = 480, 200, 80  # held-out: the whole shipped split
+
+
+def results_of(completed) -> list[dict]:
+    lines = [ln for ln in completed.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, completed.stdout[-2000:] + completed.stderr[-2000:]
+    return [json.loads(line[len("RESULT "):]) for line in lines]
+
+
+def result_of(completed) -> dict:
+    return results_of(completed)[-1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """In-process decoding of a tiny model: one thread (2-core machine, shared with other runs)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval-pipeline")
+    target = str(root / "target")
+    done = run_script("make_tiny_target.py", "--out", target, "--fit-steps", "50")
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    # both splits in one call (one model load); --limit keeps the run short
+    data = {split: str(root / f"{split}.jsonl") for split in ("train", "heldout")}
+    done = run_script("regenerate_data.py", "--target", target, "--limit", str(TRAIN_ROWS),
+                      "--max-new-tokens", "48",
+                      "--in", os.path.join(REMOTE, "data", "train.jsonl"), "--out", data["train"],
+                      "--in", os.path.join(REMOTE, "data", "heldout.jsonl"), "--out", data["heldout"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    data["train_stats"], data["heldout_stats"] = results_of(done)
+
+    run = str(root / "run")
+    done = run_script("train_dflash.py", *tiny_args(
+        target, run, f"data.train={data['train']}", f"data.heldout={data['heldout']}",
+        f"train.max_steps={STEPS}", "train.eval_every=1000", "train.eval_batches=1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    # An untrained drafter of the same shape: the baseline acceptance is measured against.
+    with open(os.path.join(run, "checkpoints", "latest")) as f:
+        trained = os.path.join(run, "checkpoints", f.read().strip())
+    from transformers import Qwen3Config
+    torch.manual_seed(1)
+    untrained = str(root / "untrained")
+    dm.save_drafter(dm.DFlashDrafter(Qwen3Config.from_pretrained(trained)), untrained)
+    return {"target": target, "run": run, "trained": trained, "untrained": untrained, **data}
+
+
+def evaluate(pipeline, *args):
+    return run_script("eval_dflash.py", "--run-dir", pipeline["run"], "--num-prompts", "8",
+                      "--max-new-tokens", "32", *args)
+
+
+def test_eval_is_lossless_and_the_trained_drafter_accepts_more_than_one_token(pipeline):
+    done = evaluate(pipeline)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    record = result_of(done)
+    print(f"trained drafter: acceptance {record['acceptance_length']:.2f}, "
+          f"{record['tokens_per_target_forward']:.2f} tokens/forward, speedup {record['speedup']:.2f}x")
+    assert record["lossless"] is True and record["mismatched_prompts"] == []
+    assert record["checkpoint"] == pipeline["trained"] and record["step"] == STEPS
+    assert record["acceptance_length"] > 1.2
+    assert record["tokens_per_target_forward"] > 1.0
+    # every verification step is accounted for: the histogram covers them all
+    assert sum(record["acceptance_histogram"]) == record["verify_steps"]
+    assert record["target_forwards"]["spec"] < record["target_forwards"]["plain"]
+    with open(os.path.join(pipeline["run"], "eval.json")) as f:
+        assert json.load(f) == record
+    with open(os.path.join(pipeline["run"], "evals.jsonl")) as f:
+        assert json.loads(f.readlines()[-1]) == record
+
+
+def test_trained_drafter_beats_an_untrained_one(pipeline):
+    trained = result_of(evaluate(pipeline, "--no-write"))
+    done = evaluate(pipeline, "--checkpoint", pipeline["untrained"], "--no-write")
+    assert done.returncode == 0, done.stderr[-2000:]
+    untrained = result_of(done)
+    print(f"acceptance: untrained {untrained['acceptance_length']:.2f}, "
+          f"trained {trained['acceptance_length']:.2f}")
+    assert untrained["lossless"] is True  # a bad drafter costs speed, never correctness
+    assert untrained["acceptance_length"] < 1.1
+    assert trained["acceptance_length"] > untrained["acceptance_length"] + 0.2
+
+
+def test_acceptance_counting_equals_dflash_own_stats(pipeline, monkeypatch):
+    """Our count (from the target's KV cache) against dflash's return_stats acceptance_lengths.
+
+    return_stats times with torch.cuda.synchronize(), which fails on CPU: only that clock call is
+    replaced, the decoding itself is dflash's.
+    """
+    from dflash.model import dflash_generate
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    tokenizer, target = rd.load_target(pipeline["target"], "cpu", "float32")
+    drafter = eval_dflash.load_drafter(pipeline["trained"], "cpu", torch.float32)
+    stops = rd.stop_token_ids(tokenizer, target)
+    for prompt in eval_dflash.prompt_ids(tokenizer, pipeline["heldout"], 4):
+        counter = eval_dflash.ForwardCounter(target)
+        stats = dflash_generate(drafter, target, torch.tensor([prompt]), 40, stops,
+                                return_stats=True)
+        counter.close()
+        ours = eval_dflash.step_lengths(counter.cache_lengths, len(prompt), stats.num_output_tokens)
+        assert ours == stats.acceptance_lengths
+        assert counter.calls == 1 + len(stats.acceptance_lengths)
+
+
+def test_regeneration_writes_the_targets_own_greedy_answers(pipeline):
+    stats = pipeline["heldout_stats"]
+    assert pipeline["train_stats"]["rows"] == TRAIN_ROWS
+    assert stats["rows"] == HELDOUT_ROWS and stats["changed"] > 0
+    tokenizer, target = rd.load_target(pipeline["target"], "cpu", "float32")
+    stops = rd.stop_token_ids(tokenizer, target)
+    original = rd.read_rows(os.path.join(REMOTE, "data", "heldout.jsonl"), HELDOUT_ROWS)
+    regenerated = rd.read_rows(pipeline["heldout"])
+    assert [r["id"] for r in regenerated] == [r["id"] for r in original]
+    for before, after in list(zip(original, regenerated))[:12]:  # each turn re-decoded: keep it short
+        turns = after["conversations"]
+        assert [t["role"] for t in turns] == [t["role"] for t in before["conversations"]]
+        for index, turn in enumerate(turns):
+            if turn["role"] != "assistant":
+                assert turn == before["conversations"][index]  # prompts are kept
+                continue
+            # each answer continues the conversation as regenerated so far
+            answer = rd.greedy_generate(target, [rd.chat_prompt_ids(tokenizer, turns[:index])],
+                                        48, stops)[0]
+            answer = answer[:-1] if answer and answer[-1] in stops else answer
+            assert turn["content"] == tokenizer.decode(answer, skip_special_tokens=True).strip()
+
+
+def test_regenerating_regenerated_data_changes_nothing(pipeline, tmp_path):
+    again = str(tmp_path / "again.jsonl")
+    done = run_script("regenerate_data.py", "--target", pipeline["target"], "--in",
+                      pipeline["heldout"], "--out", again, "--max-new-tokens", "48")
+    assert done.returncode == 0, done.stderr[-2000:]
+    stats = result_of(done)
+    untruncated = stats["turns"] - stats["truncated"]
+    assert untruncated > 0 and stats["changed"] <= stats["truncated"]
+    assert rd.read_rows(again)[0] == rd.read_rows(pipeline["heldout"])[0]
+
+
+def test_batched_greedy_equals_one_prompt_at_a_time(pipeline):
+    tokenizer, target = rd.load_target(pipeline["target"], "cpu", "float32")
+    stops = rd.stop_token_ids(tokenizer, target)
+    prompts = eval_dflash.prompt_ids(tokenizer, pipeline["heldout"], 6)
+    assert len({len(p) for p in prompts}) > 1  # different lengths: left padding is exercised
+    batched = rd.greedy_generate(target, prompts, 30, stops)
+    assert batched == [rd.greedy_generate(target, [p], 30, stops)[0] for p in prompts]
+    reference = target.generate(torch.tensor([prompts[0]]), max_new_tokens=30, do_sample=False,
+                                eos_token_id=stops, pad_token_id=tokenizer.pad_token_id)
+    assert batched[0] == reference[0, len(prompts[0]):].tolist()
+
+
+def test_bad_run_dir_and_checkpoint_exit_2_with_one_line(pipeline, tmp_path):
+    done = run_script("eval_dflash.py", "--run-dir", str(tmp_path))
+    assert done.returncode == 2 and "no config.yaml" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    done = evaluate(pipeline, "--checkpoint", "step-999999")
+    assert done.returncode == 2 and "step-999999" in done.stderr

@@ -15,7 +15,7 @@ from rich.table import Table
 
 from . import deploy, facts
 from .cli import Target
-from .errors import ConnectError, ContainerError, DflashOpsError
+from .errors import ConnectError, ContainerError, ContainerMissing, DflashOpsError
 from .inventory import Container
 
 MIN_FREE_SHM = 256 << 20    # NCCL and data-loader workers use /dev/shm beside the model kept there
@@ -169,9 +169,10 @@ def gather(t: Target, root: Path = deploy.REPO_ROOT) -> list[Check]:
         return [Check("host reachable", False, str(exc), "check the host's address, key and known_hosts "
                       "in the inventory")]
     except ContainerError as exc:
+        fix = (f"`pct list` on {ct.host.name} shows the ids: fix the inventory" if isinstance(exc, ContainerMissing)
+               else f"`pct start {ct.ctid}` on {ct.host.name}")
         return [Check("host reachable", True, f"{ct.host.user}@{ct.host.address}:{ct.host.port}"),
-                Check("container running", False, str(exc), f"`pct start {ct.ctid}` on {ct.host.name}, "
-                      "or fix the inventory's container id")]
+                Check("container running", False, str(exc), fix)]
     if t.dry_run:
         return []
     found = facts.parse_json_line(result.stdout, "doctor")

@@ -181,8 +181,11 @@ def logs(c, run=None, n=50, follow=False, ct=None, group=None, inventory=None, d
 
 @op_task(help={"run": "run name (default: the latest run)",
                "json": "print the facts as JSON for scripts",
-               "stall_after": "call a running run stalled after this many seconds without a new log line or metric"})
-def status(c, run=None, json=False, stall_after=600, ct=None, group=None, inventory=None, dry_run=False):
+               "stall_after": "call a running run stalled after this many seconds without a new log line or metric",
+               "watch": "keep the view on screen, refreshed in place every --interval seconds (Ctrl-C stops)",
+               "interval": "seconds between refreshes with --watch"})
+def status(c, run=None, json=False, stall_after=600, ct=None, group=None, inventory=None, dry_run=False,
+           watch=False, interval=5):
     """Show a run's state, progress and the GPUs, in one round trip.
 
     State: running, stalled (alive, but no new log line or metric for --stall-after seconds),
@@ -196,6 +199,10 @@ def status(c, run=None, json=False, stall_after=600, ct=None, group=None, invent
         multinode.status_fan_out(c, run, float(stall_after), json, ct, group, inventory, dry_run)
         return
     t = cli.target(c, ct, inventory, dry_run)
+    if watch and not (json or dry_run):
+        from dflash_ops import watch as watch_mod
+        watch_mod.watch(t, run, float(stall_after), float(interval))
+        return
     st = status_mod.gather(t, run, float(stall_after))
     if st is None:
         return

@@ -129,12 +129,15 @@ fi
 echo "started $(cat "$dir/pid") $(cat "$dir/pgid") $(cat "$dir/code_version")"
 '''
 
-# $1 runs  $2 name  $3 grace in tenths of a second. SIGTERM to the group, wait, SIGKILL, confirm.
+# $1 runs  $2 name ("" = the latest)  $3 grace in tenths of a second.
+# SIGTERM to the group, wait, SIGKILL, confirm. Prints `<outcome> <name> <exit code>`.
 STOP_SCRIPT = RUN_ALIVE_FN + r'''
 runs=$1 name=$2 tenths=$3
+[ -n "$name" ] || name=$(cat "$runs/.current" 2>/dev/null)
+[ -n "$name" ] || { echo "dflash: no run yet under $runs" >&2; exit 3; }
 dir=$runs/$name
 [ -d "$dir" ] || { echo "dflash: no run named $name under $runs" >&2; exit 3; }
-if ! run_alive "$runs" "$name"; then echo "notalive $(cat "$dir/exit_code" 2>/dev/null)"; exit 0; fi
+if ! run_alive "$runs" "$name"; then echo "notalive $name $(cat "$dir/exit_code" 2>/dev/null)"; exit 0; fi
 pgid=$(cat "$dir/pgid")
 echo "requested $(date +%s)" > "$dir/stopped"
 how=term
@@ -153,7 +156,7 @@ if kill -s 0 -- "-$pgid" 2>/dev/null || ! flock -w 5 -s "$runs/.lock" true; then
   exit 80
 fi
 echo "$how $(date +%s)" > "$dir/stopped"
-echo "stopped $how $(cat "$dir/exit_code" 2>/dev/null)"
+echo "$how $name $(cat "$dir/exit_code" 2>/dev/null)"
 '''
 
 
@@ -332,25 +335,28 @@ def resolve_run(t, run: str | None) -> str:
 
 
 def stop(t, run: str | None = None, grace: float = 30) -> Stop:
-    """SIGTERM the run's process group, SIGKILL after `grace` s, confirm nothing is left, record it."""
+    """SIGTERM the run's process group, SIGKILL after `grace` s, confirm nothing is left, record it.
+
+    One round trip: the script resolves the latest run itself when `run` is None.
+    """
     ct = t.container
     if float(grace) < 0:
         raise UsageError(f"--grace {grace}: must be >= 0 seconds")
-    name = resolve_run(t, run)
+    name = validate_run_name(run) if run is not None else ""
     argv = commands.sh_script(STOP_SCRIPT, ct.paths.runs, name, str(int(float(grace) * 10)))
     result = t.session.exec(ct, argv, check=False)
     if t.dry_run:
-        return Stop(name, "dry-run")
+        return Stop(name or "(latest)", "dry-run")
     words = (result.stdout.strip().splitlines() or [""])[0].split(" ", 2)
     if result.exited == EXIT_NO_RUN:
-        raise RunStateError(f"{ct.label}: {result.stderr.strip()}")
+        raise RunStateError(f"{ct.label}: {result.stderr.strip().removeprefix('dflash: ')}")
     if result.exited == EXIT_LEFTOVER:
-        raise RunStateError(f"run {name} on {ct.label}: processes are left after SIGKILL:\n{result.stdout.strip()}")
-    if result.exited != 0 or words[0] not in ("stopped", "notalive"):
-        raise RemoteCommandFailed(f"{ct.label}: stop failed (exit {result.exited}): {result.stderr.strip()[-300:]}")
-    if words[0] == "notalive":
-        return Stop(name, "notalive", " ".join(words[1:]))
-    return Stop(name, words[1], words[2] if len(words) > 2 else "")
+        raise RunStateError(f"run {name or '(latest)'} on {ct.label}: processes are left after SIGKILL:\n"
+                            f"{result.stdout.strip()}")
+    if result.exited != 0 or words[0] not in ("term", "kill", "notalive") or len(words) < 2:
+        raise RemoteCommandFailed(f"{ct.label}: stop failed (exit {result.exited}): "
+                                  f"{(result.stderr or result.stdout).strip()[-300:]}", exited=result.exited)
+    return Stop(words[1], words[0], words[2] if len(words) > 2 else "")
 
 
 def alive_run_script() -> str:

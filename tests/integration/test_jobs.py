@@ -58,6 +58,7 @@ def check_run_directory(deployed, run):
 
 
 def test_hostile_or_unknown_run_names(deployed):
+    deployed.container("mkdir", "-p", "/root/runs")
     before = deployed.container("ls", "-a", "/root/runs").stdout
     for name in ("../x", "a;b", "$(touch /root/runs/pwned)", "a\nb", "x" * 65):
         r = deployed.invoke("train", "--run", name, check=False)

@@ -43,8 +43,9 @@ TRACING = threading.Event()  # set the first time any thread enters Tracer.trace
 trace_count = 0
 
 
-def emulate_older_torch(hold_s: float) -> None:
-    torch.compiler._compile_session_context = contextlib.nullcontext
+def emulate_older_torch(hold_s: float, keep_session: bool = False) -> None:
+    if not keep_session:
+        torch.compiler._compile_session_context = contextlib.nullcontext
     original_trace = symbolic_trace.Tracer.trace
 
     def widened_trace(self, *args, **kwargs):
@@ -141,6 +142,8 @@ def main() -> int:
     parser.add_argument("--hold", type=float, default=0.1, help="seconds the FX flag is held")
     parser.add_argument("--watchdog", type=float, default=45.0, help="seconds before 'hang'")
     parser.add_argument("--steps", type=int, default=0, help="steps per thread (0: by scenario)")
+    parser.add_argument("--keep-session", action="store_true",
+                        help="control: widen the window but keep torch 2.13's compile session")
     args = parser.parse_args()
     args.steps = args.steps or STEPS[args.scenario]
     label = f"scenario={args.scenario} threads={args.threads} lock={args.lock}"
@@ -153,7 +156,7 @@ def main() -> int:
 
     threading.Thread(target=watchdog, name="watchdog", daemon=True).start()
     torch.manual_seed(0)
-    emulate_older_torch(args.hold)
+    emulate_older_torch(args.hold, args.keep_session)
     compile_safety.configure_compile(cache_dir=os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
     if args.lock == "off":
         os.environ[compile_safety.LOCK_SWITCH_ENV] = "0"  # the documented test/bench-only switch

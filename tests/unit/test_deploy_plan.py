@@ -8,6 +8,7 @@ import fcntl
 import io
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tarfile
@@ -114,6 +115,23 @@ def test_stage_line_pushes_stages_and_always_removes_the_host_copy(ct):
     assert rest.endswith("; rc=$?; rm -f -- /tmp/dflash-deploy-200-abc.tar.gz; exit $rc")
     assert "\n" not in line  # dry-run prints one line per host line
     assert "'/root/my code.releases'" not in line and '"releases": "/root/my code.releases"' in line
+
+
+ODD = parse_inventory({"hosts": {"pve1": {"address": "pve1.example"}},
+                       "containers": {200: {"host": "pve1", "paths": {"code": "/root/it's code", "venv": "/root/my venv",
+                                                                      "model": "/dev/shm/m 1"}}}}).container(200)
+
+
+def test_venv_and_tiny_target_lines_read_back_as_the_argv_meant():
+    """Paths with a quote and spaces: the host's shell reads back exactly the argv deploy meant."""
+    venv = shlex.split(deploy.venv_line(ODD, "abc"))
+    assert venv[:4] == ["pct", "exec", "200", "--"]
+    assert venv[-8:] == ["sh", "-c", deploy.VENV_SCRIPT, "sh", "/usr/bin/python3", "/root/my venv",
+                         "/root/it's code/requirements.txt", "abc"]
+    assert "PATH=/root/my venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin" in venv
+    tiny = shlex.split(deploy.tiny_target_line(ODD))
+    assert tiny[4:8] == ["env", "-i", "-C", "/root/it's code"]
+    assert tiny[-4:] == ["/root/my venv/bin/python", "/root/it's code/make_tiny_target.py", "--out", "/dev/shm/m 1"]
 
 
 def test_script_line_runs_the_exact_script_text(tmp_path):

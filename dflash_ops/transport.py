@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import logging
 import os
 import socket
 import sys
@@ -24,6 +25,9 @@ from .errors import (AuthFailed, ContainerMissing, ContainerStopped, HostKeyChan
 from .inventory import Container, Host
 
 DEFAULT_CONNECT_TIMEOUT = 10.0
+# paramiko's transport thread logs a dropped socket ("Socket exception: ...") through logging's
+# last-resort handler onto stderr, beside our own one-line error: keep it out unless logging is set up.
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
 # The host's shell gets the line as one argument of `sh -c`: Linux caps one argument at 128 KiB
 # (MAX_ARG_STRLEN, NUL included). Longer lines failed as "Argument list too long", and past sshd's
 # packet size as a reset connection that looked like a network fault.
@@ -203,6 +207,11 @@ class HostSession:
                 container_error = self.container_gone(ct)
             if container_error is not None:
                 raise container_error
+            if check and result.exited == -1:  # paramiko's "no exit status": the connection dropped
+                self._conn = None
+                raise HostUnreachable(f"connection to {self.host.name} lost while a command ran in {ct.label} "
+                                      f"(no exit status came back); check with `invoke status` or "
+                                      f"`invoke doctor`, then run the task again")
             if check:
                 raise RemoteCommandFailed(
                     f"{ct.label}: exit {result.exited}: {self.shown(stderr_tail(result.stderr)) or '(no stderr)'}",
@@ -222,22 +231,33 @@ class HostSession:
         if self.dry_run:
             self.echo(f"# sftp put {len(data)} bytes -> {host_path}")
             return
-        sftp = self.connect().sftp()
-        self.round_trips += 1
-        with sftp.open(host_path, "wb") as fh:
-            fh.set_pipelined(True)
-            fh.write(data)
-        sftp.chmod(host_path, mode)
+        try:
+            sftp = self.connect().sftp()
+            self.round_trips += 1
+            with sftp.open(host_path, "wb") as fh:
+                fh.set_pipelined(True)
+                fh.write(data)
+            sftp.chmod(host_path, mode)
+        except (socket.error, EOFError, paramiko.SSHException) as exc:
+            self._conn = None
+            raise HostUnreachable(f"connection to {self.host.name} lost while sending {len(data)} bytes to "
+                                  f"{host_path}: {str(exc) or type(exc).__name__}; nothing was changed in a "
+                                  f"container, run the task again") from None
 
     def get_bytes(self, host_path: str) -> bytes:
         if self.dry_run:
             self.echo(f"# sftp get {host_path}")
             return b""
-        sftp = self.connect().sftp()
-        self.round_trips += 1
-        with sftp.open(host_path, "rb") as fh:
-            fh.prefetch()
-            return fh.read()
+        try:
+            sftp = self.connect().sftp()
+            self.round_trips += 1
+            with sftp.open(host_path, "rb") as fh:
+                fh.prefetch()
+                return fh.read()
+        except (socket.error, EOFError, paramiko.SSHException) as exc:
+            self._conn = None
+            raise HostUnreachable(f"connection to {self.host.name} lost while reading {host_path}: "
+                                  f"{str(exc) or type(exc).__name__}") from None
 
     # --- host keys --------------------------------------------------------------------------------
     def offered_host_key(self) -> paramiko.PKey:

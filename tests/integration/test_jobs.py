@@ -76,6 +76,8 @@ def test_two_launches_at_the_same_moment_start_exactly_one(deployed):
     winner = "race-a" if results[0][0] == 0 else "race-b"
     loser_output = results[1][1] if winner == "race-a" else results[0][1]
     assert f"run '{winner}' is alive" in loser_output
+    warm = deployed.invoke("warmup", check=False)  # it would share the GPUs and the compile cache
+    assert warm.returncode == 6 and f"run {winner} is alive on pve1/200" in warm.stderr
     training = [p for p in deployed.processes() if p.startswith("/root/venv/bin/python /root/dflash/train_dflash.py")]
     assert len(training) == 1 and f"--run-dir=/root/runs/{winner}" in training[0]
 
@@ -103,3 +105,18 @@ def test_stop_checkpoints_then_the_same_name_resumes(deployed):
     assert f"resumed from /root/runs/resume/checkpoints/step-{stopped_at} at step {stopped_at}" in log
     final = deployed.status("resume")
     assert (final["state"], final["step"]) == ("finished", stopped_at + 1)
+
+
+def test_warmup_streams_progress_per_drafter_and_fails_loudly(deployed):
+    r = deployed.invoke("warmup", "--set", "train.batch_size=2", "--set", "data.num_anchors=4", timeout=300)
+    for worker in range(3):
+        assert f"[warmup] drafter {worker} (cpu): train " in r.stdout
+    assert "(6/6 shapes)" in r.stdout
+    assert "inductor cache=/root/.cache/dflash/inductor" in r.stdout  # the cache training reads
+    assert "warm-up done: 6 shape(s) on cpu,cpu,cpu" in r.stdout
+    assert not [p for p in deployed.processes() if "warmup_compile" in p]
+
+    bad = deployed.invoke("warmup", "--set", "model.attention=flex", check=False, timeout=300)
+    assert bad.returncode == 5
+    assert "warm-up failed on pve1/200 (exit 1); the output ends:" in bad.stderr
+    assert bad.stderr.rstrip().splitlines()[-1].startswith("warmup_compile: error: ")

@@ -5,6 +5,7 @@ machine) to show that hostile --set values arrive literally and execute nothing.
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -60,6 +61,28 @@ def test_one_ct_for_every_task_of_the_invocation(inventory):
     assert all(line.startswith("pct exec 200 -- ") for line in lines)
     assert "warmup_compile.py" in r.stdout and "train_dflash.py" in r.stdout
     assert "/201/" not in r.stdout  # the default container (201) was not used by either task
+
+
+def test_warmup_runs_with_exactly_the_training_environment_config_and_devices(inventory):
+    same = ["--set", "train.lr=1e-4", "--set", "a.b=x y", "--config", "configs/other.yaml"]
+    r = invoke("warmup", *same, "train", "--run", "r1", *same, "--ct", "200", "--dry-run", inventory=inventory)
+    warm_line, train_line = [line for line in r.stdout.split("\npct exec") if line.strip()][:2]
+    warm, train = shlex.split("pct exec" + warm_line.removeprefix("pct exec")), shlex.split("pct exec" + train_line)
+
+    def env_of(argv):
+        return argv[argv.index("-i"):argv.index("sh")]
+
+    def payload_of(argv):  # the python's argv: after the script's positional values
+        start = max(i for i, a in enumerate(argv) if a.endswith("/venv/bin/python"))
+        return [a for a in argv[start:] if not a.startswith(("--run-dir=", "--max-steps="))]
+
+    assert env_of(warm) == env_of(train)
+    assert "TORCHINDUCTOR_CACHE_DIR=/root/.cache/dflash/inductor" in env_of(warm)
+    w, t = payload_of(warm), payload_of(train)
+    assert w[1].endswith("/warmup_compile.py") and t[1].endswith("/train_dflash.py")
+    assert w[2:] == t[2:]
+    assert f"--config={inventory.parent}/200/code/configs/other.yaml" in w
+    assert w[-4:] == ["--set=train.lr=1e-4", "--set=a.b=x y", "--target-devices=cpu", "--drafter-devices=cpu,cpu"]
 
 
 def test_ct_given_to_the_first_task_applies_to_the_later_ones(inventory):

@@ -86,8 +86,30 @@ def test_warmup_runs_with_exactly_the_training_environment_config_and_devices(in
 
 
 def test_ct_given_to_the_first_task_applies_to_the_later_ones(inventory):
-    r = invoke("status", "--ct", "200", "stop", "--run", "r1", "--dry-run", inventory=inventory)
-    assert r.stdout.count("pct exec 200 -- ") == 2 and "pct exec 201" not in r.stdout
+    r = invoke("status", "--ct", "200", "stop", "--run", "r1", "logs", "--follow", "--dry-run", inventory=inventory)
+    assert r.stdout.count("pct exec 200 -- ") == 3 and "pct exec 201" not in r.stdout
+
+
+def test_secrets_are_masked_in_the_dry_run_and_the_recorded_environment(tmp_path):
+    inventory = write_inventory(tmp_path / "inv.yaml", tmp_path)
+    data = yaml.safe_load(inventory.read_text())
+    data["containers"][200]["env"] = {"HF_TOKEN": "hf_s3cr3t_value", "WANDB_MODE": "offline"}
+    data["containers"][200]["secret_env"] = ["HF_TOKEN"]
+    inventory.write_text(yaml.safe_dump(data))
+    r = invoke("train", "--run", "r1", "--ct", "200", "--dry-run", inventory=inventory)
+    assert "hf_s3cr3t_value" not in r.stdout + r.stderr
+    assert "HF_TOKEN=***" in r.stdout and "WANDB_MODE=offline" in r.stdout
+    from dflash_ops.inventory import load_inventory
+
+    ct = load_inventory(str(inventory)).container(200)
+    argv, _ = jobs.launch_argv(ct, "r1")
+    launch_json, env_text = argv[9], argv[10]  # sh -c SCRIPT sh runs name config manifest settle launch env
+    assert json.loads(launch_json)["run"] == "r1"
+    assert "hf_s3cr3t_value" not in launch_json + env_text
+    assert "HF_TOKEN=***" in env_text.splitlines() and "WANDB_MODE=offline" in env_text.splitlines()
+    from dflash_ops import commands
+
+    assert "HF_TOKEN=hf_s3cr3t_value" in commands.pct_exec(200, argv, ct.run_env())  # the process gets it
 
 
 def test_two_different_ct_values_are_an_error(inventory):

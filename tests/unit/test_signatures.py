@@ -78,3 +78,22 @@ def test_log_printer_highlights_and_names_the_runbook():
     assert lines[3] == ">>> torch.compile FX-tracing race between drafter threads: read docs/runbooks/compile-race.md"
     assert printer.summary() == ["torch.compile FX-tracing race between drafter threads: read docs/runbooks/compile-race.md"]
     assert "\r" not in out.getvalue()
+
+
+def test_warmup_failure_shows_the_traceback_end_and_progress_per_drafter():
+    from dflash_ops.jobs import WarmupProgress
+
+    out = io.StringIO()
+    progress = WarmupProgress(["cuda:5", "cuda:6"], out=out)
+    progress.write("12:00:01 INFO compile warm-up: shape ('train', 0) took 41.20 s\r\n"
+                   "12:00:09 INFO compile warm-up: shape ('eval', 0) took 8.01 s\r\n"
+                   "noise before\r\nTraceback (most recent call last):\r\n"
+                   '  File "/root/dflash/warmup_compile.py", line 52, in warm\r\n'
+                   "    timings = training.warm_up(drafters.workers, lambda worker: training.prepare_batch(\r\n"
+                   + KNOWN[0][1] + "\r\nwarmup_compile: error: warm-up failed: RuntimeError: Detected that you")
+    shown = out.getvalue().splitlines()
+    assert shown[1] == "[warmup] drafter 0 (cuda:5): train 41.2 s  (1/4 shapes)"
+    assert shown[3] == "[warmup] drafter 0 (cuda:5): train 41.2 s, eval 8.0 s  (2/4 shapes)"
+    tail = progress.failure_tail().splitlines()
+    assert tail[0] == "Traceback (most recent call last):" and tail[-1].startswith("warmup_compile: error:")
+    assert [s.key for s, _ in signatures.scan(progress.lines)] == ["compile-race"]

@@ -79,11 +79,12 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT"))
     parser.add_argument("--cache-dir", default=None, help="TORCHINDUCTOR_CACHE_DIR (default: temp)")
     parser.add_argument("--attention-variants", default="", help="comma list (default: all)")
-    parser.add_argument("--drafter-variants", default="project,fast,fast+tuned")
-    parser.add_argument("--drafter-27b-variants", default="project,fast")
+    parser.add_argument("--drafter-variants", default="plain,fast")
+    parser.add_argument("--drafter-27b-variants", default="plain,fast")
     parser.add_argument("--no-target-compile", action="store_true")
     parser.add_argument("--pipeline-kind", default="4b", help="target class: 4b or 8b")
-    parser.add_argument("--launches", type=int, default=5)
+    parser.add_argument("--launches", default="1-5", help="cold launch numbers, e.g. 1-3 or 4-5")
+    parser.add_argument("--pipeline-parts", default="cold,warm,alone")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--parallel", type=int, default=2, help="cold launches at a time")
     parser.add_argument("--budget-s", type=float, default=540.0)
@@ -93,7 +94,8 @@ def main() -> int:
     if args.smoke:
         torch.set_num_threads(1)
     only = set(args.only.split(","))
-    cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="bench-inductor-")
+    # a directory of its own: compile_safety puts the triton cache beside the inductor one
+    cache_dir = args.cache_dir or os.path.join(tempfile.mkdtemp(prefix="bench-"), "inductor")
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", cache_dir)
     results = Results(args.out)
     if args.out:
@@ -107,14 +109,13 @@ def main() -> int:
         import attention
         variants = [v for v in args.attention_variants.split(",") if v] or None
         best = attention.run(results, device, args.smoke, variants)
-    options = best.get("options") if best else None
     if best:
-        print(f"drafter: tuned kernel options from {best['variant']}: {options}", flush=True)
+        print(f"attention: fastest flex variant {best['variant']}: {best.get('options')}", flush=True)
     if "drafter" in only:
         import drafter
         drafter.run_one(results, device, drafter.shape("8b", args.smoke), "qwen3-8b(H4096)",
                         [v for v in args.drafter_variants.split(",") if v], args.smoke,
-                        cache_dir, ceiling, options)
+                        cache_dir, ceiling)
     if "target" in only:
         import target
         target.run(results, device, args.smoke, ceiling, batches=(4, 1),
@@ -124,11 +125,13 @@ def main() -> int:
         drafter.run_one(results, device, drafter.shape("27b", args.smoke),
                         "27b-class(H5120,hd256)",
                         [v for v in args.drafter_27b_variants.split(",") if v], args.smoke,
-                        cache_dir, ceiling, options)
+                        cache_dir, ceiling)
     if "pipeline" in only:
         import pipeline
-        pipeline.run(results, args.work, args.out, args.smoke, args.pipeline_kind, args.launches,
-                     args.steps, args.parallel, args.budget_s)
+        first, last = (int(x) for x in args.launches.split("-"))
+        pipeline.run(results, args.work, args.out, args.smoke, args.pipeline_kind,
+                     range(first, last + 1), args.steps, args.parallel, args.budget_s,
+                     set(args.pipeline_parts.split(",")))
     print("\n" + results.table(), flush=True)
     return 0
 

@@ -14,18 +14,34 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
 
 import compile_safety
 
+# DFLASH_FAST_PATHS=0: training takes the reference paths (plain loss, foreach AdamW, default
+# flex kernel options); the bench flips this to measure both in one run.
+ENABLED = os.environ.get("DFLASH_FAST_PATHS", "1").strip() not in ("0", "false", "off", "no")
+
 # Chunk rows so that one chunk's fp32 logits stay near 1 GiB (2048 rows at V = 151936).
 _CHUNK_ELEMENTS = 2048 * 151936
 
-# flex_attention kernel options for the DFlash mask at head_dim 128 on an H200 (bench/RESULTS.md;
-# empty = torch's defaults). Applied through compile_safety.configure_compile(kernel_options=...).
-FLEX_KERNEL_OPTIONS: dict = {}
+# flex_attention kernel options for the DFlash mask on an H200, by head_dim (bench/RESULTS.md:
+# 3.62 ms vs 3.85 ms fwd+bwd at head_dim 128, torch 2.11); other head dims keep torch's defaults
+# (untested there: a larger tile can exceed shared memory at head_dim 256).
+FLEX_KERNEL_OPTIONS: dict[int, dict] = {
+    128: {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
+          "bwd_num_warps": 8, "bwd_num_stages": 2},
+}
+
+
+def flex_kernel_options(head_dim: int | None) -> dict | None:
+    """Tuned options for this head_dim on CUDA, or None (torch's defaults)."""
+    if not ENABLED or head_dim is None or not torch.cuda.is_available():
+        return None
+    return FLEX_KERNEL_OPTIONS.get(int(head_dim))
 
 
 def _ce_chunk(logits, labels, token_weights, need_grad: bool):
@@ -119,7 +135,7 @@ def lm_head_loss(hidden, lm_head_weight, labels, valid, gamma: float, chunk: int
 def adamw(params, **kwargs) -> torch.optim.AdamW:
     """AdamW; the fused CUDA kernel (one launch per step) when every parameter is on CUDA."""
     params = list(params)
-    fused = bool(params) and all(p.is_cuda for p in params)
+    fused = ENABLED and bool(params) and all(p.is_cuda for p in params)
     return torch.optim.AdamW(params, fused=fused, **kwargs) if fused else \
         torch.optim.AdamW(params, **kwargs)
 

@@ -14,7 +14,6 @@ import os
 import time
 
 import torch
-import torch.nn.functional as F
 from transformers import Qwen3Config
 
 import compile_safety
@@ -50,25 +49,6 @@ def step_flops(cfg, context: int, num_blocks: int, block: int, pairs: int, batch
     return 3 * layers * layer + layers * attn + fc + head
 
 
-class FastWorker(training.DrafterWorker):
-    """DrafterWorker with fast_paths' chunked LM-head loss and fused AdamW (bench comparison)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.optimizer = fast_paths.adamw(self.params, lr=self.config.train.lr,
-                                          weight_decay=self.config.train.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
-                                                           training.lr_lambda(self.config))
-
-    def loss(self, batch):
-        with self._autocast():
-            noise = F.embedding(batch.noise_ids, self.embed_weight)
-            hidden = self.drafter(batch.target_hidden, noise, batch.position_ids, batch.mask,
-                                  self.attention)
-        return fast_paths.lm_head_loss(hidden, self.head_weight, batch.labels, batch.valid,
-                                       self.config.model.gamma)
-
-
 def make_batch(config, dcfg, device, seed=0):
     g = torch.Generator().manual_seed(seed)
     seq, block = config.data.max_length, config.model.block_size
@@ -92,7 +72,7 @@ def make_batch(config, dcfg, device, seed=0):
 
 
 def run_one(results, device, target_shape: dict, label: str, variants, smoke: bool,
-            cache_dir: str, ceiling: float, kernel_options=None, iters: int = 8):
+            cache_dir: str, ceiling: float, iters: int = 8):
     config = make_config(cache_dir, smoke)
     training.configure_compile(config, cache_dir)
     target_cfg = Qwen3Config(**target_shape)
@@ -111,23 +91,22 @@ def run_one(results, device, target_shape: dict, label: str, variants, smoke: bo
         worker = None
         try:
             from torch.nn.attention.flex_attention import flex_attention
-            opts = dict(kernel_options or {}) if "tuned" in variant else {}
+            # plain: the reference paths (fast_paths off); otherwise the project's training path
+            fast_paths.ENABLED = variant != "plain"
+            opts = fast_paths.flex_kernel_options(dcfg.head_dim) or {}
             if config.model.attention == "dense":
                 attention = dm.dense_attention
-            elif variant == "project":
-                attention, _, _ = training.make_attention(config)
             elif "compiled_layers" in variant:  # the layer's compile traces flex_attention itself
                 def attention(q, k, v, mask, scale, _o=opts):
                     return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=True,
                                           kernel_options=_o)
-            else:
+            else:  # as training.make_attention, with this head_dim's options (no singleton)
                 flex = compile_safety.safe_compile(flex_attention, "flex_attention")
 
                 def attention(q, k, v, mask, scale, _f=flex, _o=opts):
                     return _f(q, k, v, block_mask=mask, scale=scale, enable_gqa=True,
                               kernel_options=_o)
-            cls = training.DrafterWorker if variant == "project" else FastWorker
-            worker = cls(0, device, template, config, embed, head, attention)
+            worker = training.DrafterWorker(0, device, template, config, embed, head, attention)
             if "compiled_layers" in variant:
                 for layer in worker.drafter.layers:
                     layer.compile(dynamic=False)
@@ -153,13 +132,14 @@ def run_one(results, device, target_shape: dict, label: str, variants, smoke: bo
                         first_step_s=first, peak_gib=mem, step_tflop=flops / 1e12,
                         loss_first_last=[losses[0], losses[-1]],
                         params_m=dm.parameter_count(worker.drafter) / 1e6,
-                        note=f"pairs={pairs}")
+                        kernel_options=opts, note=f"pairs={pairs}")
         except Exception as exc:
             import traceback
             traceback.print_exc()
             results.add("drafter_step", f"{label}:{variant}",
                         note=f"FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
         finally:
+            fast_paths.ENABLED = True
             del worker
             gc.collect()
             if device != "cpu":

@@ -37,7 +37,7 @@ ENV = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "CUDA_MODULE_LOADI
 
 def make_target(out_dir: str, kind: str, smoke: bool) -> str:
     """A random-weight Qwen3 checkpoint of the given class with the tiny target's tokenizer."""
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     if kind == "8b":
         from common import QWEN3_8B
@@ -58,7 +58,8 @@ def make_target(out_dir: str, kind: str, smoke: bool) -> str:
     finally:
         torch.set_default_dtype(old)
     model.save_pretrained(out_dir)
-    AutoTokenizer.from_pretrained(os.path.join(REMOTE, "tiny-target")).save_pretrained(out_dir)
+    import make_tiny_target  # the synthetic data's tokenizer (the tiny target dir is not in git)
+    make_tiny_target.build_tokenizer().save_pretrained(out_dir)
     del model
     torch.cuda.empty_cache() if not smoke else None
     return out_dir
@@ -118,13 +119,16 @@ class Sampler:
 
 
 STEP_RE = re.compile(r"step (\d+)/(\d+) .*\| ([\d.]+) tok/s")
+WARM_RE = re.compile(r"warm-up \(main thread\) done in ([\d.]+) s")
 
 
 def launch(script: str, args: list[str], log_path: str, timeout: float, env_extra=None):
     """Run a payload script, stream its output to log_path; time to 'step 1/' and each step."""
     env = dict(os.environ, **ENV, **(env_extra or {}))
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):  # the config's cache dir rules
+        env.pop(name, None)
     t0, wall0 = time.perf_counter(), time.time()
-    first_step = None
+    first_step = compile_s = None
     steps, hung = [], False
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, os.path.join(REMOTE, script), *args], env=env,
@@ -133,6 +137,9 @@ def launch(script: str, args: list[str], log_path: str, timeout: float, env_extr
         timer.start()
         for line in proc.stdout:
             log.write(line)
+            w = WARM_RE.search(line)
+            if w:
+                compile_s = float(w.group(1))
             m = STEP_RE.search(line)
             if m:
                 now = time.perf_counter() - t0
@@ -144,7 +151,8 @@ def launch(script: str, args: list[str], log_path: str, timeout: float, env_extr
         hung = not timer.is_alive() and rc != 0
         timer.cancel()
     return {"rc": rc, "hung": hung, "seconds": time.perf_counter() - t0, "wall0": wall0,
-            "first_step_s": first_step, "steps": steps}
+            "first_step_s": first_step, "steps": steps,
+            "warmup_s": compile_s}
 
 
 def train_args(config, target, data, cache, run_dir, steps, workers=3, smoke=False):
@@ -164,8 +172,9 @@ def train_args(config, target, data, cache, run_dir, steps, workers=3, smoke=Fal
     return args
 
 
-def run(results, work: str, out_dir: str | None, smoke: bool, kind: str = "4b", launches: int = 5,
-        steps: int = 20, parallel: int = 2, budget_s: float = 540.0):
+def run(results, work: str, out_dir: str | None, smoke: bool, kind: str = "4b",
+        launches=range(1, 6), steps: int = 20, parallel: int = 2, budget_s: float = 540.0,
+        parts=frozenset({"cold", "warm", "alone"}), watchdog_s: float = 240.0):
     started = time.perf_counter()
     left = lambda: budget_s - (time.perf_counter() - started)  # noqa: E731
     os.makedirs(work, exist_ok=True)
@@ -182,20 +191,25 @@ def run(results, work: str, out_dir: str | None, smoke: bool, kind: str = "4b", 
             run_dir = os.path.join(work, f"run-{i}")
             r = launch("train_dflash.py",
                        train_args(config, target, data, cache, run_dir, steps, smoke=smoke),
-                       os.path.join(logs, f"launch{i}.log") if i <= 2 else
-                       os.path.join(work, f"launch{i}.log"), timeout=max(60.0, left() - 5))
+                       os.path.join(logs, f"launch{i}.log") if i == launches[0] else
+                       os.path.join(work, f"launch{i}.log"), timeout=min(watchdog_s, max(30.0, left() - 5)))
             shutil.rmtree(run_dir, ignore_errors=True)
             shutil.rmtree(os.path.dirname(cache), ignore_errors=True)
             last = r["steps"][-1]["step"] if r["steps"] else 0
             tail = [s["tok_s"] for s in r["steps"] if s["step"] > steps // 2]
+            walls = [s["wall"] for s in r["steps"] if s["step"] > steps // 2]
+            util = sampler.utilisation(walls[0], walls[-1]) if len(walls) > 1 else {}
             results.add("pipeline", f"cold launch {i}", rc=r["rc"], hung=r["hung"],
+                        **{f"gpu_{k}": v for k, v in util.items()},
                         reached_step=last, ms=r["seconds"] * 1e3, first_step_s=r["first_step_s"],
+                        main_thread_warmup_s=r["warmup_s"],
                         tokens_per_s=sum(tail) / len(tail) if tail else None,
                         note=f"ok={r['rc'] == 0 and last == steps}")
             return r
 
-        first = one(1)
-        pending = list(range(2, launches + 1))
+        launches = list(launches) if "cold" in parts else []
+        first = one(launches[0]) if launches else {"first_step_s": None}
+        pending = launches[1:]
         while pending and left() > 150:
             batch, pending = pending[:parallel], pending[parallel:]
             threads = [threading.Thread(target=one, args=(i,)) for i in batch]
@@ -207,7 +221,7 @@ def run(results, work: str, out_dir: str | None, smoke: bool, kind: str = "4b", 
             results.add("pipeline", "cold launches skipped", note=f"{pending}: out of time")
 
         # warm: warmup_compile.py fills a fresh cache, then training reads it
-        if left() > 90:
+        if "warm" in parts and left() > 90:
             cache = os.path.join(work, "warm", "inductor")
             w = launch("warmup_compile.py",
                        train_args(config, target, data, cache, os.path.join(work, "w"), steps,
@@ -219,18 +233,23 @@ def run(results, work: str, out_dir: str | None, smoke: bool, kind: str = "4b", 
             tail = [s for s in r["steps"] if s["step"] > steps // 2]
             util = sampler.utilisation(tail[0]["wall"], tail[-1]["wall"]) if len(tail) > 1 else {}
             results.add("pipeline", "warmup_compile.py", rc=w["rc"], ms=w["seconds"] * 1e3)
-            results.add("pipeline", "warm launch", rc=r["rc"], hung=r["hung"],
+            results.add("pipeline", "warm launch", rc=r["rc"], killed_by_watchdog=r["hung"],
                         reached_step=r["steps"][-1]["step"] if r["steps"] else 0,
                         ms=r["seconds"] * 1e3, first_step_s=r["first_step_s"],
+                        main_thread_warmup_s=r["warmup_s"],
                         tokens_per_s=sum(s["tok_s"] for s in tail) / len(tail) if tail else None,
                         **{f"gpu_{k}": v for k, v in util.items()})
             if first["first_step_s"] and r["first_step_s"]:
                 results.add("pipeline", "first step cold/warm",
                             cold_s=first["first_step_s"], warm_s=r["first_step_s"],
                             ratio=first["first_step_s"] / r["first_step_s"],
+                            warmup_cold_s=first.get("warmup_s"), warmup_warm_s=r["warmup_s"],
                             note="process start to the 'step 1/' log line, same layout")
-            if left() > 60:
+            if "alone" in parts and left() > 60:
                 alone(results, config, target, data, cache, steps, smoke, sampler)
+        elif "alone" in parts:
+            alone(results, config, target, data, os.path.join(work, "alone", "inductor"), steps,
+                  smoke, sampler)
     finally:
         sampler.stop()
     for path in glob.glob(os.path.join(work, "run-*")):

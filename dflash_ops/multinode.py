@@ -52,10 +52,7 @@ def status_row(t, run: str | None = None, stall_after: float = 600, collected: d
         collected[t.container.label] = st
     if st.state == "none":
         return "no run yet"
-
-    def fmt(value, spec):
-        return "-" if value is None else format(value, spec)
-
+    fmt = status._fmt
     state = st.state + (f" ({st.detail})" if st.detail else "")
     findings = "".join(f"; {f['title']}: read {f['runbook']}" for f in st.findings)
     return (f"run {st.run}: {state} | step {fmt(st.step, 'd')} | loss {fmt(st.loss, '.4f')} "
@@ -159,9 +156,21 @@ def launcher_args(ct: Container, nodes: Sequence[Container], run: str, port: int
 
 
 def check_group(nodes: Sequence[Container]) -> None:
-    """Refuse layouts torch.distributed cannot run: one node, or unequal drafter worker counts."""
+    """Refuse layouts torch.distributed cannot run: one node, two nodes at one address, or unequal
+    drafter worker counts.
+
+    Two nodes at one address: the rendezvous tells nodes apart by (address, pid), and the launchers
+    of two fresh containers often have the same pid in their own pid namespaces; they would be taken
+    for one node and the rendezvous would wait forever.
+    """
     if len(nodes) < 2:
         raise UsageError("multi-node training needs at least two containers (--group NAME or --ct 200,201)")
+    seen: dict[str, str] = {}
+    for ct in nodes:
+        other = seen.setdefault(node_address(ct), ct.label)
+        if other != ct.label:
+            raise UsageError(f"{other} and {ct.label} would both be reached at {node_address(ct)}: give each "
+                             f"container its own address in the inventory (rdzv_address)")
     counts = {ct.label: len([d for d in ct.roles.devices("drafter").split(",") if d]) for ct in nodes}
     if len(set(counts.values())) != 1:
         shown = ", ".join(f"{label}: {n}" for label, n in counts.items())

@@ -26,10 +26,15 @@ def free_port() -> int:
 
 
 def inventory_with(sandbox, path, drafters_per_container):
-    """The sandbox's inventory with other drafter roles and a group `pair` (a test's own layout)."""
+    """The sandbox's inventory with other drafter roles, a group `pair`, and an address per node.
+
+    The containers share the host's network, where 127.0.0.0/8 is all loopback: 127.0.0.1 and
+    127.0.0.2 tell the two nodes apart as two real hosts' addresses would.
+    """
     data = yaml.safe_load(open(sandbox.inventory))
     for ctid, count in drafters_per_container.items():
         data["containers"][ctid]["roles"]["drafter"] = ["cpu"] * count
+        data["containers"][ctid]["rdzv_address"] = f"127.0.0.{ctid - 199}"
     data["groups"]["pair"] = [200, 201]
     path.write_text(yaml.safe_dump(data))
     return str(path)

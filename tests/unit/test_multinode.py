@@ -69,5 +69,8 @@ def test_groups_torch_distributed_cannot_run_are_refused():
     uneven = inventory(ct201={"roles": {"target": [0], "drafter": [1]}}).select(group="pair")
     with pytest.raises(UsageError, match="same number of drafter devices .* pve1/200: 2, pve2/201: 1"):
         multinode.check_group(uneven)
+    shared = inventory(ct201={"rdzv_address": None, "host": "pve1"}).select(group="pair")
+    with pytest.raises(UsageError, match="pve1/200 and pve1/201 would both be reached at pve1.example: .*rdzv_address"):
+        multinode.check_group(shared)
     assert multinode.fans_out("200,201", None) and multinode.fans_out(None, "pair")
     assert not multinode.fans_out("200", None) and not multinode.fans_out(None, None)

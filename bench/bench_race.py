@@ -195,10 +195,11 @@ def spawn(args, mode: str, kind: str, cache_root: str, index: int) -> dict:
 
 
 def print_table(results: list[dict]) -> None:
-    print(f"\n{'mode':8} {'#':>3} {'status':7} {'wall s':>7} {'lock wait s':>11}  error")
+    print(f"\n{'mode':8} {'#':>3} {'status':7} {'wall s':>7} {'waited s':>8}  error")
+    print("(waited s: seconds all threads spent waiting for COMPILE_LOCK, summed)")
     for r in results:
         print(f"{r['mode']:8} {r['index']:>3} {r['status']:7} {r['process_s']:7.1f} "
-              f"{r.get('lock_wait_s', 0):11.1f}  {str(r.get('error', ''))[:90]}")
+              f"{r.get('lock_wait_s', 0):8.1f}  {str(r.get('error', ''))[:90]}")
     print(f"\n{'mode':8} {'ok':>3} {'crash':>5} {'hang':>4} {'other':>5}  wall s min/median/max")
     for mode in ("lock", "no-lock"):
         rows = [r for r in results if r["mode"] == mode]

@@ -260,8 +260,6 @@ def alone(results, config_path, target_path, data, cache, steps, smoke, sampler)
     """Target alone, drafters alone, drafters with the compile lock off: same shapes, in-process."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from torch.nn.attention.flex_attention import flex_attention
-
     import compile_safety
     import fast_paths
     import training
@@ -307,18 +305,15 @@ def alone(results, config_path, target_path, data, cache, steps, smoke, sampler)
     results.add("pipeline", "drafters alone (3 threads, lock on)", ms=t["ms"],
                 tokens_per_s=3 * tokens / t["ms"] * 1e3,
                 lock_wait_s_per_step=waited / (n + 1))
-    if not smoke:  # lock off: the same compiled code (warm), unlocked wrappers
-        unlocked = compile_safety.safe_compile(flex_attention, "flex_nolock", use_lock=False)
-        for w in workers:
-            w.attention = lambda q, k, v, m, s, _f=unlocked: _f(q, k, v, block_mask=m, scale=s,
-                                                                enable_gqa=True)
-        saved = dict(fast_paths._compiled)
-        for key, fn in saved.items():
-            fast_paths._compiled[key] = compile_safety._SafeCompiled(fn._compiled, fn.name, False)
+    if not smoke:  # lock off: the same compiled code (warm), the same wrappers with the lock off
+        wrappers = [compile_safety.compiled_flex_attention(), *fast_paths._compiled.values()]
+        for wrapper in wrappers:
+            wrapper.locked = False
         t = time_fn(drafter_step, dev, warmup=1, iters=n)
         results.add("pipeline", "drafters alone (3 threads, lock OFF, warm)", ms=t["ms"],
                     tokens_per_s=3 * tokens / t["ms"] * 1e3)
-        fast_paths._compiled.update(saved)
+        for wrapper in wrappers:
+            wrapper.locked = True
         one = workers[0]
         t = time_fn(lambda: (one.forward_backward(batches[0]), one.update()), dev, 1, n)
         results.add("pipeline", "one drafter alone (no contention)", ms=t["ms"],

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from . import commands, facts
+from .container_facts import MANIFEST, REQUIREMENTS_STAMP  # the container side's names, one definition
 from .cli import Target
 from .errors import DflashOpsError
 from .inventory import Container
@@ -30,14 +31,12 @@ from .inventory import Container
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PAYLOAD = "remote_scripts"
 REQUIREMENTS = "requirements.txt"
-MANIFEST = ".dflash-manifest.json"
-REQUIREMENTS_STAMP = ".dflash-requirements.sha256"
 KEEP_RELEASES = 3  # the current release and two before it, for a quick look back or a manual rollback
 CONTAINER_RELEASE = Path(__file__).with_name("container_release.py").read_text(encoding="utf-8")
 
 # Creates or refreshes the venv; the stamp is removed first and written last, so a failed or
 # interrupted pip leaves the venv marked stale and the next deploy installs again.
-VENV_SCRIPT = ('set -e; py=$1 venv=$2 req=$3 want=$4; stamp="$venv/.dflash-requirements.sha256"; '
+VENV_SCRIPT = (f'set -e; py=$1 venv=$2 req=$3 want=$4; stamp="$venv/{REQUIREMENTS_STAMP}"; '
                'if ! "$venv/bin/python" -c "" 2>/dev/null; then echo "venv: creating $venv with $py"; '
                '"$py" -m venv --clear "$venv"; fi; rm -f "$stamp"; echo "venv: pip install -r $req"; '
                '"$venv/bin/python" -m pip install --disable-pip-version-check -r "$req"; '

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 import compile_safety
 import dflash_model as dm
+import fast_paths
 from dflash_data import collate
 from train_config import Config, ConfigError, resolve_path
 
@@ -75,10 +76,11 @@ def make_attention(config: Config):
     return dm.make_flex_attention(flex), dm.flex_dflash_mask, what
 
 
-def configure_compile(config: Config, cache_dir: str) -> None:
+def configure_compile(config: Config, cache_dir: str, head_dim: int | None = None) -> None:
     compile_safety.configure_compile(cache_dir=cache_dir,
                                      recompile_limit=config.compile.recompile_limit,
-                                     enabled=config.compile.enabled)
+                                     enabled=config.compile.enabled,
+                                     kernel_options=fast_paths.flex_kernel_options(head_dim))
 
 
 # ----------------------------------------------------------------------------- batches
@@ -145,8 +147,8 @@ class DrafterWorker:
                             else head_weight.detach().to(device, frozen_dtype))
         self.attention = attention
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=config.train.lr,
-                                           weight_decay=config.train.weight_decay)
+        self.optimizer = fast_paths.adamw(self.params, lr=config.train.lr,
+                                          weight_decay=config.train.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
 
     def _autocast(self):
@@ -160,9 +162,12 @@ class DrafterWorker:
             noise = F.embedding(batch.noise_ids, self.embed_weight)
             hidden = self.drafter(batch.target_hidden, noise, batch.position_ids, batch.mask,
                                   self.attention)
-            logits = dm.draft_logits(hidden, self.head_weight, batch.num_blocks,
-                                     self.config.model.block_size)
-        return dm.dflash_loss(logits, batch.labels, batch.valid, self.config.model.gamma)
+            if not fast_paths.ENABLED:  # the reference path: materialises [B*N*bs, V] logits
+                logits = dm.draft_logits(hidden, self.head_weight, batch.num_blocks,
+                                         self.config.model.block_size)
+                return dm.dflash_loss(logits, batch.labels, batch.valid, self.config.model.gamma)
+        return fast_paths.lm_head_loss(hidden, self.head_weight, batch.labels, batch.valid,
+                                       self.config.model.gamma)
 
     def forward_backward(self, batch: Batch) -> tuple[float, dict]:
         """Training forward + backward (grad enabled); gradients left in .grad."""
@@ -287,7 +292,7 @@ def build_drafters(config: Config, target, tokenizer, drafter_devices: list[str]
     mask_token_id = resolve_mask_token_id(config, tokenizer, vocab_size)
     template = build_drafter_template(config, target.config, mask_token_id)
     target.layer_ids = template.target_layer_ids
-    configure_compile(config, resolve_path(config.compile.cache_dir))
+    configure_compile(config, resolve_path(config.compile.cache_dir), template.config.head_dim)
     attention, build_mask, description = make_attention(config)
     workers = [DrafterWorker(i, device, template, config, target.embed_weight,
                              target.lm_head_weight, attention)

@@ -54,3 +54,23 @@ def test_adamw_stays_unfused_on_cpu():
     p.grad = torch.ones(3)
     opt.step()
     assert opt.defaults.get("fused") in (None, False) and torch.all(p < 1)
+
+
+@pytest.mark.parametrize("taps", [[0, 2], [1, 3, 5]])
+def test_target_features_match_the_project_path_on_real_tokens(tiny_target, taps):
+    from target_model import Target
+
+    target = Target(tiny_target, ["cpu"], "float32", layer_ids=taps)
+    g = torch.Generator().manual_seed(len(taps))
+    ids = torch.randint(5, 200, (3, 24), generator=g)
+    lengths = [24, 17, 9]  # right-padded, as dflash_data.collate pads
+    attention = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, n:] = 0
+        attention[row, :n] = 1
+    ref = target.context_features(ids, attention, "cpu")
+    got = fast_paths.target_features(target.model, ids, taps, "cpu")
+    assert got.shape == ref.shape
+    for row, n in enumerate(lengths):  # pad positions differ; nothing reads them
+        assert torch.allclose(got[row, :n], ref[row, :n], rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(got[2, 9:], ref[2, 9:])  # the comparison can fail

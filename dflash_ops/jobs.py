@@ -138,7 +138,8 @@ runs=$1 name=$2 tenths=$3
 dir=$runs/$name
 [ -d "$dir" ] || { echo "dflash: no run named $name under $runs" >&2; exit 3; }
 if ! run_alive "$runs" "$name"; then echo "notalive $name $(cat "$dir/exit_code" 2>/dev/null)"; exit 0; fi
-pgid=$(cat "$dir/pgid")
+pgid=$(cat "$dir/pgid" 2>/dev/null)
+case $pgid in ''|*[!0-9]*) echo "dflash: run $name holds the lock but has no process group recorded" >&2; exit 81;; esac
 echo "requested $(date +%s)" > "$dir/stopped"
 how=term
 kill -s TERM -- "-$pgid" 2>/dev/null

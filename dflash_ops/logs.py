@@ -11,9 +11,11 @@ Nothing is left in the container in any of these cases.
 
 from __future__ import annotations
 
+import io
 import sys
+
 from . import commands, jobs, signatures
-from .errors import HostUnreachable, RunStateError
+from .errors import HostUnreachable, RunStateError, UsageError
 
 MARK = "==> dflash-ops:"
 DEFAULT_LINES = 50
@@ -95,12 +97,12 @@ def show(t, run: str | None = None, lines: int = DEFAULT_LINES, follow: bool = F
     ct = t.container
     name = jobs.validate_run_name(run) if run is not None else None
     if int(lines) < 0:
-        raise RunStateError(f"-n {lines}: must be >= 0")
+        raise UsageError(f"-n {lines}: must be >= 0")
     printer = LogPrinter(out=out)
     argv = logs_argv(ct.paths.runs, name, lines, follow)
     # A pty only when following: Ctrl-C and hang-ups must reach the remote tail.
     result = t.session.exec(ct, argv, check=False, pty=follow, out_stream=printer,
-                            err_stream=None if follow else sys.stderr)
+                            err_stream=None if follow else io.StringIO())  # stderr: kept in the result
     printer.close()
     if t.dry_run:
         return printer

@@ -5,7 +5,8 @@ a watchdog shell in the container, over a pty so that Ctrl-C reaches it:
 - Ctrl-C: the pty delivers SIGINT, the watchdog kills its `tail` and exits;
 - connection lost: the pty hangs up (SIGHUP), same thing; `tail --pid` also exits on its own
   once the watchdog is gone, however it died;
-- the run ends (nobody holds the runs lock for a few seconds): the watchdog stops `tail` and exits.
+- the run ends (nobody holds the runs lock; after a stop, for END_GRACE_S, so that a restart of
+  the same run is followed): the watchdog stops `tail` and exits.
 Nothing is left in the container in any of these cases.
 """
 
@@ -20,7 +21,7 @@ from .errors import HostUnreachable, RunStateError, UsageError
 MARK = "==> dflash-ops:"
 DEFAULT_LINES = 50
 EXIT_INTERRUPTED = 130  # the watchdog's exit on SIGINT (Ctrl-C through the pty)
-END_GRACE_S = 3  # a run that is gone this long has ended (a quick restart of the same run is followed)
+END_GRACE_S = 15  # a stopped run gone this long has ended (`invoke stop; invoke train --run NAME` is followed)
 
 # $1 runs  $2 name ("" = latest)  $3 lines  $4 follow (1|0)  $5 seconds without the run before ending
 LOGS_SCRIPT = jobs.RUN_ALIVE_FN + r'''
@@ -39,9 +40,11 @@ t=$!
 trap 'kill "$t" 2>/dev/null; exit 130' INT
 trap 'kill "$t" 2>/dev/null; exit 129' HUP
 trap 'kill "$t" 2>/dev/null; exit 143' TERM
-limit=1; gone=0
+gone=0
 while kill -0 "$t" 2>/dev/null; do
-  if run_alive "$runs" "$name"; then gone=0; limit=$grace; else gone=$((gone + 1)); fi
+  if run_alive "$runs" "$name"; then gone=0; else gone=$((gone + 1)); fi
+  # A run that was stopped may be restarted under the same name: wait for that a little longer.
+  limit=1; [ -f "$dir/stopped" ] && limit=$grace
   [ "$gone" -ge "$limit" ] && break
   sleep 1
 done

@@ -50,6 +50,26 @@ def test_dropped_connection_exits_with_a_message_and_leaves_no_tail(deployed, li
     assert deployed.status(live_run)["state"] == "running"
 
 
+def test_follow_keeps_up_when_the_run_is_stopped_and_restarted(deployed, live_run):
+    p = start_following(deployed, live_run)
+    deployed.invoke("stop", "--run", live_run, "--grace", "0")
+    stopped_at = deployed.container("date", "-u", "+%Y-%m-%dT%H:%M:%SZ").stdout.strip()
+    deployed.train(live_run, *LONG)  # the same name: it resumes in the same directory
+
+    def relaunched(line):  # `dflash-ops: launch <UTC time> of run NAME`, written by the new launch
+        words = line.split()
+        return words[:2] == ["dflash-ops:", "launch"] and words[2] >= stopped_at and words[-1] == live_run
+
+    seen = []
+    while not any(relaunched(line) for line in seen):
+        line = p.stdout.readline()
+        assert line, "the follower ended instead of following the restarted run: " + "".join(seen[-5:])
+        seen.append(line)
+    p.send_signal(signal.SIGINT)
+    assert p.communicate(timeout=60)[1] is None and p.returncode == 0
+    deployed.wait_for("the follower to be gone", lambda: not follower_processes(deployed), timeout=30)
+
+
 def test_follow_keeps_up_across_truncation_and_ends_with_the_run(deployed, live_run):
     p = start_following(deployed, live_run)
     deployed.container("sh", "-c", f"cp /root/runs/{live_run}/train.log /tmp/rotated && : > /root/runs/{live_run}/train.log")

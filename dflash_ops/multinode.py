@@ -129,7 +129,7 @@ def logs_row(t, run: str | None = None, lines: int = 50, follow: bool = False) -
     if t.dry_run:
         return "dry run"
     findings = "; ".join(printer.summary())
-    ended = printer.ended.removeprefix("run ") if printer.ended else f"run {printer.run}"
+    ended = printer.ended or f"run {printer.run}"
     return ended + (f"; {findings}" if findings else "")
 
 

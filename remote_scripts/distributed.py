@@ -154,6 +154,10 @@ class DistributedNode(Node):
 
     def close(self) -> None:
         dist.destroy_process_group()
+        # The run is over (and checkpointed). A SIGTERM still on its way (`invoke stop` reaching
+        # this node after another node's stop ended the run) must not turn the clean exit into
+        # "killed by SIGTERM": Python restores SIG_DFL for its handlers at interpreter exit.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def launched_by_torchrun() -> bool:

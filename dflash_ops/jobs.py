@@ -463,6 +463,8 @@ def warmup(t, config: str | None = None, sets: Sequence[str] = (), out=None) -> 
                             check=False, pty=True, out_stream=progress)
     if t.dry_run or result.exited == 0:
         return progress
+    if result.exited == 130:  # Ctrl-C reached the warm-up through the pty; it has stopped there
+        raise KeyboardInterrupt
     first = progress.lines[0] if progress.lines else ""
     if result.exited == EXIT_BUSY and first.startswith("busy"):
         raise RunStateError(f"run {first[5:] or '?'} is alive on {ct.label}: warm up before starting a run, "

@@ -1,6 +1,7 @@
 """invoke train / stop against the embedded host, with the real payload deployed by invoke deploy."""
 
 import json
+import signal
 
 import pytest
 
@@ -114,6 +115,14 @@ def test_warmup_streams_progress_per_drafter_and_fails_loudly(deployed):
     assert "(6/6 shapes)" in r.stdout
     assert "inductor cache=/root/.cache/dflash/inductor" in r.stdout  # the cache training reads
     assert "warm-up done: 6 shape(s) on cpu,cpu,cpu" in r.stdout
+    assert not [p for p in deployed.processes() if "warmup_compile" in p]
+
+    p = deployed.popen("warmup")
+    while "INFO" not in (line := p.stdout.readline()):
+        assert line, "the warm-up ended before logging anything"
+    p.send_signal(signal.SIGINT)  # Ctrl-C
+    out = p.communicate(timeout=120)[0]
+    assert p.returncode == 130 and out.rstrip().endswith("interrupted"), out
     assert not [p for p in deployed.processes() if "warmup_compile" in p]
 
     bad = deployed.invoke("warmup", "--set", "model.attention=flex", check=False, timeout=300)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import posixpath
+import sys
 from typing import Sequence
 
 from . import jobs
@@ -30,7 +31,8 @@ class NotLossless(DflashOpsError):
 
 
 class _ShowLines(io.StringIO):
-    """An out_stream that prints what the script says, except the machine-readable RESULT lines."""
+    """A stream that prints what the script says, except the machine-readable RESULT lines and the
+    weight-loading progress bars."""
 
     def __init__(self, echo=print):
         super().__init__()
@@ -43,6 +45,10 @@ class _ShowLines(io.StringIO):
             if not line.startswith(RESULT) and "Loading weights" not in line:
                 self._echo(line)
         return len(text)
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def _first_device(ct: Container) -> str:
@@ -97,7 +103,7 @@ def results_of(stdout: str) -> list[dict]:
 def _run_script(t, argv: list[str], what: str, echo=print):
     ct = t.container
     result = t.session.exec(ct, argv, env=ct.run_env(), cwd=ct.paths.code, check=False,
-                            out_stream=_ShowLines(echo))
+                            out_stream=_ShowLines(echo), err_stream=_ShowLines(_to_stderr))
     if t.dry_run:
         return result, []
     found = results_of(result.stdout)

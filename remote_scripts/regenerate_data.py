@@ -137,6 +137,8 @@ def regenerate(rows: list[dict], tokenizer, model, max_new_tokens: int, batch_si
                 stats["truncated"] += not finished
                 stats["changed"] += text != row["conversations"][turn]["content"]
                 row["conversations"][turn]["content"] = text
+            if (start // batch_size) % 25 == 24:
+                log(f"round {round_index + 1}/{rounds}: {start + len(chunk)}/{len(work)} turns")
         log(f"round {round_index + 1}/{rounds}: {len(work)} assistant turns regenerated")
     return stats
 

@@ -326,8 +326,7 @@ def regenerate(c, src=None, out_dir=None, max_new_tokens=None, limit=None, batch
     t = cli.target(c, ct, inventory, dry_run)
     for stats in evaluate.regenerate(t, sources=src or (), out_dir=out_dir, max_new_tokens=max_new_tokens,
                                      limit=limit, batch_size=batch_size, device=device, target=target):
-        print(f"{stats['out']}: {stats['rows']} rows, {stats['changed']} of {stats['turns']} answers "
-              f"changed, {stats['truncated']} cut at the token limit")
+        print(evaluate.describe_regeneration(stats))
 
 
 @op_task(help={"run": "run name (default: the latest run)",

@@ -141,6 +141,16 @@ def regenerate(t, echo=print, **options) -> list[dict]:
     return found
 
 
+def describe_regeneration(stats: dict) -> str:
+    """One line per regenerated file; a warning when the answers look like a random model's."""
+    line = (f"{stats['out']}: {stats['rows']} rows, {stats['changed']} of {stats['turns']} answers changed, "
+            f"{stats['truncated']} cut at the token limit")
+    if stats["turns"] and stats["truncated"] > stats["turns"] / 2:
+        line += ("\n  warning: most answers never ended (no end-of-turn token): a random target repeats "
+                 "itself; a tiny target should be fitted first (make_tiny_target.py --fit-steps 200)")
+    return line
+
+
 def describe(record: dict) -> str:
     """The numbers of one evaluation, a few lines for a person."""
     hist = record.get("acceptance_histogram") or []

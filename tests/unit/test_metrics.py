@@ -190,3 +190,11 @@ def test_listing_without_a_dir_line_is_an_error():
     with pytest.raises(ValueError):
         fetch.parse_listing("abc 1 x\n")
     assert json.dumps(fetch.parse_listing("dir /a b\n")[0]) == '"/a b"'
+
+
+def test_regeneration_summary_warns_when_answers_never_end():
+    fine = {"out": "/root/data/train.jsonl", "rows": 10, "turns": 12, "changed": 9, "truncated": 1}
+    assert evaluate.describe_regeneration(fine) == (
+        "/root/data/train.jsonl: 10 rows, 9 of 12 answers changed, 1 cut at the token limit")
+    runaway = dict(fine, truncated=12)
+    assert "warning: most answers never ended" in evaluate.describe_regeneration(runaway)

@@ -96,19 +96,21 @@ def _slots(record: dict, count: int = 4) -> str:
 
 def table(metrics: RunMetrics, n: int = 20):
     """A rich Table of the last `n` logged steps, held-out evaluations merged in by step."""
+    from rich import box
     from rich.table import Table
 
     evals = {r["step"]: r for r in metrics.eval}
     rows = metrics.train[-n:] if n > 0 else metrics.train
+    # a light box without vertical rules: the table fits 80 columns
     out = Table(title=f"run {metrics.run}: last {len(rows)} of {len(metrics.train)} logged steps",
-                title_justify="left")
-    for name in ("step", "loss", "held-out", "acceptance", "slot acc 1-4", "tokens/s", "lr", "mem GiB"):
-        out.add_column(name, justify="left" if name == "slot acc 1-4" else "right")
+                title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    for name in ("step", "loss", "held-out", "accept", "slot acc 1-4", "tokens/s", "lr", "GiB"):
+        out.add_column(name, justify="left" if name == "slot acc 1-4" else "right", no_wrap=True)
     for record in rows:
         held = evals.get(record.get("step"))
         out.add_row(str(record.get("step", "-")), _f(record.get("loss"), ".4f"),
                     _f(held and held.get("loss"), ".4f"), _f(record.get("acceptance_length"), ".2f"),
-                    _slots(record), _f(record.get("tokens_per_s"), ",.0f"), _f(record.get("lr"), ".2e"),
+                    _slots(record), _f(record.get("tokens_per_s"), ",.0f"), _f(record.get("lr"), ".1e"),
                     _f(record.get("memory_gib"), ".2f"))
     return out
 
@@ -147,7 +149,7 @@ def plot(metrics: RunMetrics, path: str) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib import cm
-    from matplotlib.ticker import FormatStrFormatter
+    from matplotlib.ticker import FormatStrFormatter, LogLocator
 
     if not metrics.train and not metrics.eval:
         from .errors import RunStateError
@@ -175,6 +177,7 @@ def plot(metrics: RunMetrics, path: str) -> str:
     curve(ax_loss, train, "loss", colour_train, "train")
     points(ax_loss, held, "loss", colour_held, "held-out")
     ax_loss.set_yscale("log")
+    ax_loss.yaxis.set_minor_locator(LogLocator(subs=(2.0, 5.0)))  # labels at 1, 2, 5, 10, 20, 50
     ax_loss.yaxis.set_major_formatter(FormatStrFormatter("%.3g"))
     ax_loss.yaxis.set_minor_formatter(FormatStrFormatter("%.3g"))
     ax_loss.set_title("Loss (decay-weighted cross-entropy)", loc="left", fontweight="bold")
@@ -215,7 +218,7 @@ def plot(metrics: RunMetrics, path: str) -> str:
         ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
         ax_lr.set_ylim(bottom=0)
         handles = [h for ax in (ax_speed, ax_lr) for h in ax.get_legend_handles_labels()[0]]
-        ax_speed.legend(handles=handles, loc="lower right", fontsize=9, framealpha=0.8)
+        ax_speed.legend(handles=handles, loc="lower left", fontsize=9, framealpha=0.8)
 
     saved = [r["step"] for r in metrics.checkpoints if isinstance(r.get("step"), int)]
     for ax in axes.flat:

@@ -103,7 +103,7 @@ fi
 mkdir -p -- "$dir" || exit 79
 rm -f -- "$dir/exit_code" "$dir/stopped" "$dir/pid" "$dir/pgid" "$dir/ended"
 # A full disk must not turn into an empty run.sh that "exits at once" without a word.
-nospace() { echo "dflash: cannot write the run directory $dir ($(df -h --output=avail "$runs" | tail -n 1 | tr -d ' ') free): disk full? read docs/runbooks/disk-full.md" >&2; exit 79; }
+nospace() { echo "dflash: cannot write the run directory $dir ($(df -h --output=avail "$dir" | tail -n 1 | tr -d ' ') free): disk full? read docs/runbooks/disk-full.md" >&2; exit 79; }
 printf '%s\n' "$launch" 2>/dev/null > "$dir/launch.json" || nospace
 printf '%s\n' "$envtext" 2>/dev/null > "$dir/env" || nospace
 cp -- "$config" "$dir/config.given.yaml" 2>/dev/null || nospace

@@ -110,6 +110,8 @@ def _run_script(t, argv: list[str], what: str, echo=print):
     if result.exited not in (0, EXIT_NOT_LOSSLESS) or not found:
         last = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
         hint = " (run `invoke deploy` first?)" if "No such file" in result.stderr else ""
+        if "No module named" in result.stderr:
+            hint = " (the container's venv predates remote_scripts/requirements.txt: run `invoke deploy`)"
         raise RemoteCommandFailed(f"{ct.label}: {what} failed (exit {result.exited}): {last}{hint}",
                                   exited=result.exited, stderr_tail=last)
     return result, found

@@ -161,7 +161,9 @@ def describe(record: dict) -> str:
         f"target              {record['target']} on {record['device']} ({record['dtype']})",
         f"prompts             {record['prompts']} (<= {record['max_new_tokens']} new tokens each, "
         f"{record['new_tokens']} in all)",
-        f"lossless            {'yes' if record['lossless'] else 'NO: ' + str(record['mismatched_prompts'])}",
+        f"lossless            " + ("yes" if record["lossless"] else
+                                     f"NO: prompts {record['mismatched_prompts']} differ from token "
+                                     f"{record.get('first_divergence')} on"),
         f"acceptance length   {record['acceptance_length']:.2f} tokens per verification "
         f"(block size {record['block_size']})",
         f"tokens per forward  {record['tokens_per_target_forward']:.2f} "

@@ -134,7 +134,7 @@ def evaluate(drafter, target, prompts, max_new_tokens: int, stops: list[int], de
         dflash_generate(drafter, target, torch.tensor([prompts[0]], device=device),
                         max_new_tokens, stops)
         totals = dict(plain_s=0.0, spec_s=0.0, plain_forwards=0, spec_forwards=0, tokens=0)
-        steps, mismatches = [], []
+        steps, mismatches, divergence = [], [], []
         for index, prompt in enumerate(prompts):
             counter.reset()
             start = _now(device)
@@ -149,8 +149,10 @@ def evaluate(drafter, target, prompts, max_new_tokens: int, stops: list[int], de
             totals["spec_s"] += _now(device) - start
             totals["spec_forwards"] += counter.calls
             spec = output[0, len(prompt):].tolist()
-            if spec != plain:
+            if spec != plain:  # where: a bf16 near-tie differs late, a broken pairing at once
                 mismatches.append(index)
+                divergence.append(next((i for i, (a, b) in enumerate(zip(spec, plain)) if a != b),
+                                       min(len(spec), len(plain))))
             steps += step_lengths(counter.cache_lengths, len(prompt), len(spec))
             totals["tokens"] += len(spec)
     finally:
@@ -159,6 +161,7 @@ def evaluate(drafter, target, prompts, max_new_tokens: int, stops: list[int], de
     return {
         "lossless": not mismatches,
         "mismatched_prompts": mismatches,
+        "first_divergence": divergence,  # per mismatched prompt: index of the first differing token
         "acceptance_length": sum(steps) / max(len(steps), 1),
         "acceptance_histogram": [steps.count(n) for n in range(1, block_size + 1)],
         "tokens_per_target_forward": totals["tokens"] / max(totals["spec_forwards"], 1),

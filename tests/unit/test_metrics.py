@@ -161,6 +161,8 @@ def test_describe_names_every_number():
     for part in ("lossless            yes", "acceptance length   2.50", "(block size 8)", "2.20",
                  "45 target forwards vs 100 plain", "1.30x", "1:10 3:5"):
         assert part in text
+    broken = dict(record, lossless=False, mismatched_prompts=[1, 3], first_divergence=[0, 17])
+    assert "lossless            NO: prompts [1, 3] differ from token [0, 17] on" in evaluate.describe(broken)
 
 
 # --- fetch -----------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ The fact script prints one `key value` line per fact (values never contain a new
     name tiny                   the run (--run, or the latest)
     exists 1 | alive 1          run directory present | a process of the run holds the runs lock
     pid 123 / pgid 120 / started ... / ended ... / exit_code signal 9 / stopped term 1764... / code_version ...
-    mtime_log 1764420990 / mtime_metrics 1764420985
+    mtime_log 1764420990 / mtime_metrics 1764420985 / free 5368709120 (bytes free where the run dir is)
     metric {...json...}         the last metrics.jsonl lines
     log ...                     the last train.log lines
     gpu 0, 97, 70000, 81559     nvidia-smi: index, utilisation %, memory used MiB, total MiB
@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from . import commands, jobs, signatures
 
 DEFAULT_STALL_AFTER = 600
+LOW_SPACE = 1 << 20  # bytes free on the run directory's filesystem below which it counts as full
 
 STATUS_SCRIPT = jobs.RUN_ALIVE_FN + r'''
 runs=$1 name=$2
@@ -36,6 +37,7 @@ if [ -n "$name" ] && [ -d "$dir" ]; then
     [ -f "$dir/$f" ] && printf '%s %s\n' "$f" "$(head -c 300 "$dir/$f" | tr '\n' ' ')"
   done
   [ -f "$dir/train.log" ] && echo "mtime_log $(stat -c %Y "$dir/train.log")"
+  echo "free $(df -Pk -- "$dir" 2>/dev/null | awk 'NR == 2 { print $4 * 1024 }')"
   [ -f "$dir/metrics.jsonl" ] && echo "mtime_metrics $(stat -c %Y "$dir/metrics.jsonl")"
   [ -f "$dir/metrics.jsonl" ] && tail -n 20 "$dir/metrics.jsonl" | sed 's/^/metric /'
   [ -f "$dir/train.log" ] && tail -n 40 "$dir/train.log" | cut -c1-2000 | sed 's/^/log /'
@@ -144,6 +146,12 @@ def parse_status(text: str, stall_after: float = DEFAULT_STALL_AFTER) -> RunStat
     _apply_metrics(st, metrics)
     st.findings = [{"key": s.key, "title": s.title, "runbook": s.runbook, "line": line}
                    for s, line in signatures.scan(logs)]
+    free = _int(facts.get("free"))
+    if free is not None and free < LOW_SPACE and not any(f["key"] == "disk-full" for f in st.findings):
+        # A full disk may have cut the log (and the wrapper's exit code) before any error line.
+        sig = next(s for s in signatures.SIGNATURES if s.key == "disk-full")
+        st.findings.append({"key": sig.key, "title": sig.title, "runbook": sig.runbook,
+                            "line": f"{free} bytes free on the run directory's filesystem"})
 
     alive = facts.get("alive") == "1"
     if alive:

@@ -46,6 +46,23 @@ def write_atomic(path: str, data: str) -> None:
     _fsync_path(os.path.dirname(os.path.abspath(path)))
 
 
+def open_for_append(path: str):
+    """Open a one-record-per-line file (metrics.jsonl) for appending, first cutting a torn last line
+    (a write cut short by a full disk or a kill), so that the next record starts on a line of its own."""
+    if os.path.isfile(path):
+        with open(path, "r+b") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - (1 << 16)))
+            tail = f.read()
+            if tail and not tail.endswith(b"\n"):
+                cut = tail.rfind(b"\n")
+                if cut >= 0 or size <= len(tail):
+                    f.truncate(size - len(tail) + cut + 1)
+                else:
+                    f.write(b"\n")
+    return open(path, "a")
+
+
 def checkpoint_root(run_dir: str) -> str:
     return os.path.join(run_dir, "checkpoints")
 

@@ -142,7 +142,7 @@ def train(args) -> int:
              len(timings), "" if config.compile.enabled else "; compile is off")
 
     # loop
-    metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+    metrics = checkpoints.open_for_append(os.path.join(run_dir, "metrics.jsonl"))
     pool = ThreadPoolExecutor(max_workers=len(workers), thread_name_prefix="drafter")
     window, window_start = [], time.perf_counter()
 

@@ -236,6 +236,30 @@ def test_checkpoint_on_a_full_runs_filesystem_is_a_clear_crash_with_the_last_che
         unmount(deployed, "/root/runs/full/checkpoints")
 
 
+def test_run_directory_filling_up_mid_run_is_named_and_the_torn_metrics_line_is_cut_on_restart(deployed):
+    # Room for the launch and the warm-up, then a few steps: the log, the metrics and the wrapper's
+    # exit code all hit the full disk, so no error line can be written anywhere.
+    mount_tmpfs(deployed, "/root/runs/tear", "4m", fill_kib=4020)  # freed later: room for a checkpoint
+    try:
+        deployed.train("tear", "--max-steps", "1000", "--set", "train.save_every=1000")
+        st = deployed.wait_for("the run to die of the full disk",
+                               lambda: (s := deployed.status("tear"))["state"] != "running" and s, timeout=300)
+        assert st["state"] == "crashed" and st["step"], st
+        # From a log line when one got through, else from the free space status reads.
+        assert [f["runbook"] for f in st["findings"]] == ["docs/runbooks/disk-full.md"], st
+        torn = deployed.run_file("tear", "metrics.jsonl")
+        assert not torn.endswith("\n")  # what a full disk leaves
+
+        deployed.container("rm", "/root/runs/tear/fill")
+        deployed.train("tear", "--max-steps", "2", "--set", "train.save_every=1000")
+        deployed.invoke("logs", "--follow", "--run", "tear", "-n", "0", timeout=300)
+        assert deployed.status("tear")["state"] == "finished"
+        records = metric_records(deployed, "tear")  # every line parses: the torn one was cut
+        assert [r["step"] for r in records if r["kind"] == "train"][-2:] == [1, 2]  # the restart, from step 0
+    finally:
+        unmount(deployed, "/root/runs/tear")
+
+
 def test_full_runs_directory_refuses_the_launch_in_one_line_and_doctor_says_why(deployed, tmp_path):
     mount_tmpfs(deployed, "/root/fullruns", "1m", fill_kib=1024)
     try:

@@ -19,11 +19,6 @@ def no_run_left(deployed):
 def test_run_launched_followed_to_its_end_and_reported_finished(deployed):
     out = deployed.train("fin", "--max-steps", "2", "--set", "train.lr=0.002")
     assert "log: /root/runs/fin/train.log" in out and "invoke logs --follow --run fin" in out
-    refused = deployed.invoke("train", "--run", "second", check=False)
-    assert refused.returncode == 6
-    assert "run 'fin' is alive on pve1/200" in refused.stderr
-    assert deployed.container("test", "-e", "/root/runs/second", check=False).returncode != 0
-
     followed = deployed.invoke("logs", "--follow", "--run", "fin", timeout=300)
     assert "step 2/2" in followed.stdout
     assert followed.stdout.rstrip().endswith("==> dflash-ops: run fin is not running (exit code: 0)")
@@ -36,6 +31,15 @@ def test_run_launched_followed_to_its_end_and_reported_finished(deployed):
     assert "run fin on pve1/200 is not running (exit code: 0)" in noop.stdout
     assert deployed.status("fin")["state"] == "finished"  # a stop of an ended run records nothing
     check_run_directory(deployed, "fin")
+
+
+def test_second_launch_is_refused_while_a_run_is_alive(deployed):
+    # A run that cannot end on its own while we look (a 2-step run may finish before the second launch).
+    deployed.train("holder", *LONG)
+    refused = deployed.invoke("train", "--run", "second", check=False)
+    assert refused.returncode == 6
+    assert "run 'holder' is alive on pve1/200" in refused.stderr
+    assert deployed.container("test", "-e", "/root/runs/second", check=False).returncode != 0
 
 
 def check_run_directory(deployed, run):

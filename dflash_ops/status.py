@@ -8,6 +8,7 @@ The fact script prints one `key value` line per fact (values never contain a new
     pid 123 / pgid 120 / started ... / ended ... / exit_code signal 9 / stopped term 1764... / code_version ...
     mtime_log 1764420990 / mtime_metrics 1764420985 / free 5368709120 (bytes free where the run dir is)
     metric {...json...}         the last metrics.jsonl lines
+    evaljson {...json...}       eval.json (the last `invoke eval`), newlines removed
     log ...                     the last train.log lines
     gpu 0, 97, 70000, 81559     nvidia-smi: index, utilisation %, memory used MiB, total MiB
     end
@@ -40,6 +41,7 @@ if [ -n "$name" ] && [ -d "$dir" ]; then
   echo "free $(df -Pk -- "$dir" 2>/dev/null | awk 'NR == 2 { print $4 * 1024 }')"
   [ -f "$dir/metrics.jsonl" ] && echo "mtime_metrics $(stat -c %Y "$dir/metrics.jsonl")"
   [ -f "$dir/metrics.jsonl" ] && tail -n 20 "$dir/metrics.jsonl" | sed 's/^/metric /'
+  [ -f "$dir/eval.json" ] && echo "evaljson $(head -c 20000 "$dir/eval.json" | tr -d '\n')"
   [ -f "$dir/train.log" ] && tail -n 40 "$dir/train.log" | cut -c1-2000 | sed 's/^/log /'
 else
   echo "exists 0"
@@ -74,6 +76,7 @@ class RunStatus:
     tokens_per_s: float | None = None
     lr: float | None = None
     eval_loss: float | None = None
+    last_eval: dict | None = None   # the last `invoke eval` (eval.json): step, acceptance, speedup, ...
     exit_code: str | None = None
     code_version: str | None = None
     gpus: list = field(default_factory=list)
@@ -144,6 +147,7 @@ def parse_status(text: str, stall_after: float = DEFAULT_STALL_AFTER) -> RunStat
     if now is not None and activity:
         st.idle_s = max(0, now - max(activity))
     _apply_metrics(st, metrics)
+    st.last_eval = _last_eval(facts.get("evaljson"))
     st.findings = [{"key": s.key, "title": s.title, "runbook": s.runbook, "line": line}
                    for s, line in signatures.scan(logs)]
     free = _int(facts.get("free"))
@@ -208,6 +212,24 @@ def _apply_metrics(st: RunStatus, lines: list[str]) -> None:
         st.eval_loss = evaluation.get("loss")
 
 
+def _last_eval(text: str | None) -> dict | None:
+    """eval.json's headline numbers; None when absent or unreadable (being rewritten)."""
+    try:
+        record = json.loads(text) if text else None
+    except ValueError:
+        return None
+    keys = ("step", "acceptance_length", "tokens_per_target_forward", "speedup", "lossless", "prompts", "time")
+    return {k: record.get(k) for k in keys} if isinstance(record, dict) else None
+
+
+def describe_eval(last: dict) -> str:
+    lossless = "lossless" if last.get("lossless") else "NOT LOSSLESS"
+    return (f"acceptance {_fmt(last.get('acceptance_length'), '.2f')}, "
+            f"{_fmt(last.get('tokens_per_target_forward'), '.2f')} tokens/target forward, speedup "
+            f"{_fmt(last.get('speedup'), '.2f')}x, {lossless} (step {last.get('step')}, "
+            f"{last.get('prompts')} prompts)")
+
+
 def status_argv(runs: str, run: str | None) -> list[str]:
     return commands.sh_script(STATUS_SCRIPT, runs, run or "")
 
@@ -261,6 +283,8 @@ def render(st: RunStatus, label: str, console=None) -> None:
     table.add_row("lr", _fmt(st.lr, ".3g"))
     if st.eval_loss is not None:
         table.add_row("held-out loss", _fmt(st.eval_loss))
+    if st.last_eval:
+        table.add_row("last dflash eval", escape(describe_eval(st.last_eval)))
     table.add_row("code version", st.code_version or "-")
     console.print(table)
     if st.gpus:

@@ -55,6 +55,9 @@ def test_eval_writes_eval_json_lossless_with_acceptance_above_one(trained):
     assert f"{record['acceptance_length']:.2f}" in out
     evals = trained.run_file(RUN, "evals.jsonl").splitlines()
     assert json.loads(evals[-1]) == record
+    shown = trained.invoke("status", "--run", RUN).stdout
+    assert "last dflash eval" in shown and f"acceptance {record['acceptance_length']:.2f}" in shown
+    assert trained.status(RUN)["last_eval"]["acceptance_length"] == record["acceptance_length"]
 
 
 def test_metrics_table_and_plot(trained, tmp_path):

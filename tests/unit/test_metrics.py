@@ -203,3 +203,48 @@ def test_regeneration_summary_warns_when_answers_never_end():
         "/root/data/train.jsonl: 10 rows, 9 of 12 answers changed, 1 cut at the token limit")
     runaway = dict(fine, truncated=12)
     assert "warning: most answers never ended" in evaluate.describe_regeneration(runaway)
+
+
+# --- the last evaluation in `invoke status` ------------------------------------------------------
+
+STATUS_WITH_EVAL = """\
+now 1795954010
+name t1
+exists 1
+alive 0
+pid 82 
+started 1795953931 
+ended 1795953966 
+exit_code 0 
+metric {"kind": "train", "step": 30, "loss": 4.7, "acceptance_length": 1.13, "tokens_per_s": 4905.8, "lr": 0.004}
+evaljson {"kind": "dflash_eval", "time": 1795954000.5, "step": 30, "prompts": 4, "lossless": true, "mismatched_prompts": [], "acceptance_length": 6.2, "acceptance_histogram": [1, 0, 0, 0, 0, 0, 2, 5], "tokens_per_target_forward": 4.1, "speedup": 1.7}
+end
+"""
+
+
+def test_status_shows_the_last_dflash_evaluation():
+    from rich.console import Console
+
+    from dflash_ops import status
+
+    st = status.parse_status(STATUS_WITH_EVAL)
+    assert st.last_eval == {"step": 30, "acceptance_length": 6.2, "tokens_per_target_forward": 4.1,
+                            "speedup": 1.7, "lossless": True, "prompts": 4, "time": 1795954000.5}
+    console = Console(width=160, record=True)
+    status.render(st, "pve1/200", console=console)
+    row = next(line for line in console.export_text().splitlines() if "last dflash eval" in line)
+    assert ("acceptance 6.20, 4.10 tokens/target forward, speedup 1.70x, lossless (step 30, 4 prompts)"
+            in row)
+    torn = status.parse_status(STATUS_WITH_EVAL.replace('"speedup": 1.7}', '"speedup": 1'))
+    assert torn.last_eval is None and torn.step == 30  # eval.json being rewritten: no eval row
+
+
+def test_status_script_prints_eval_json_on_one_line(tmp_path):
+    from dflash_ops import status
+
+    run = tmp_path / "runs" / "t1"
+    run.mkdir(parents=True)
+    (run / "eval.json").write_text(json.dumps({"step": 3, "acceptance_length": 2.5, "lossless": True}, indent=1))
+    out = subprocess.run(["sh", "-c", status.STATUS_SCRIPT, "sh", str(tmp_path / "runs"), "t1"],
+                         capture_output=True, text=True).stdout
+    assert status.parse_status(out).last_eval["acceptance_length"] == 2.5

@@ -200,13 +200,51 @@ def reports_errors(fn):
     return wrapper
 
 
+# Number-valued flags whose default is None (so Invoke cannot tell they are numbers).
+NUMERIC_FLAGS = {"max_steps": int, "rdzv_port": int, "num_prompts": int, "max_new_tokens": int, "limit": int,
+                 "batch_size": int, "hosts": int, "grace": float, "stall_after": float, "interval": float}
+
+
+def parse_numbers(fn):
+    """Number flags arrive as text and are converted here, so `-n abc` is a one-line usage error.
+
+    Invoke converts a flag with an int default itself and lets a ValueError escape as a
+    traceback; the signature shown to Invoke therefore has text defaults, and this wrapper turns
+    them back into numbers (or raises UsageError naming the flag).
+    """
+    sig = inspect.signature(fn)
+    kinds = {name: type(p.default) for name, p in sig.parameters.items()
+             if type(p.default) in (int, float)}
+    kinds.update({name: kind for name, kind in NUMERIC_FLAGS.items() if name in sig.parameters})
+    if not kinds:
+        return fn
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        for name, kind in kinds.items():
+            value = kwargs.get(name)
+            if isinstance(value, str):
+                try:
+                    kwargs[name] = kind(value)
+                except ValueError:
+                    flag = ("-" if len(name) == 1 else "--") + name.replace("_", "-")
+                    what = "an integer" if kind is int else "a number"
+                    raise UsageError(f"{flag} {value[:60]!r}: expected {what}") from None
+        return fn(*args, **kwargs)
+
+    wrapper.__signature__ = sig.replace(parameters=[
+        p.replace(default=str(p.default)) if type(p.default) in (int, float) else p
+        for p in sig.parameters.values()])
+    return wrapper
+
+
 def op_task(*args, help=None, **kwargs):
-    """`@task` with the shared options' help text and error reporting applied."""
+    """`@task` with the shared options' help text, number parsing and error reporting applied."""
     def decorate(fn):
         params = inspect.signature(fn).parameters
         merged = {k: v for k, v in COMMON_HELP.items() if k in params}
         merged.update(help or {})
-        return invoke.task(reports_errors(fn), help=merged, **kwargs)
+        return invoke.task(reports_errors(parse_numbers(fn)), help=merged, **kwargs)
 
     if args and callable(args[0]):
         return decorate(args[0])

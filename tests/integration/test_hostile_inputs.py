@@ -150,8 +150,6 @@ def test_hostile_numbers_are_refused_and_execute_nothing(deployed):
         assert deployed.invoke(*args, check=False).returncode != 0, args
 
 
-@pytest.mark.xfail(strict=True, reason="invoke converts int flags itself (and tasks.train does int(--max-steps)) "
-                                       "outside the tasks' error handling: a ValueError traceback, not one line")
 def test_hostile_numbers_are_one_line_errors(deployed):
     for args in HOSTILE_NUMBERS:
         one_line_error(deployed.invoke(*args, check=False), 2)

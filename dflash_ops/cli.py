@@ -196,6 +196,10 @@ def reports_errors(fn):
             raise Exit(f"error: {exc}", code=exc.exit_code) from None
         except KeyboardInterrupt:
             raise Exit("interrupted", code=130) from None
+        except BrokenPipeError:
+            # `invoke status | head -3`: the reader left; stop quietly, as other CLI tools do.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise Exit(code=141) from None
 
     return wrapper
 

@@ -41,8 +41,10 @@ def trust_host(c, host, fingerprint=None, inventory=None):
 
 # --- the embedded host ----------------------------------------------------------------------------
 @op_task(help={"containers": "container ids to create, e.g. 200 or 200,201",
-               "hosts": "how many embedded hosts (each its own sshd on 127.0.0.1)"})
-def sandbox_up(c, containers="200", hosts=1):
+               "hosts": "how many embedded hosts (each its own sshd on 127.0.0.1)",
+               "tiny_fit_steps": "fit the tiny target model for this many steps when deploy creates it "
+                                 "(its greedy answers then make sense for `invoke regenerate`; 0: random)"})
+def sandbox_up(c, containers="200", hosts=1, tiny_fit_steps=0):
     """Start the embedded Proxmox host (sshd on 127.0.0.1 + pct) and write inventory/sandbox.yaml."""
     from dflash_ops import sandbox
 
@@ -50,7 +52,7 @@ def sandbox_up(c, containers="200", hosts=1):
         ids = tuple(int(x) for x in str(containers).split(",") if x.strip())
     except ValueError:
         raise UsageError(f"--containers {containers!r}: give ids such as 200 or 200,201") from None
-    _report(sandbox.up(containers=ids, hosts=int(hosts)))
+    _report(sandbox.up(containers=ids, hosts=int(hosts), tiny_fit_steps=int(tiny_fit_steps)))
 
 
 @op_task

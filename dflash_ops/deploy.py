@@ -179,6 +179,9 @@ def venv_line(container: Container, want: str) -> str:
 
 def tiny_target_line(container: Container) -> str:
     argv = [container.venv_python, f"{container.paths.code}/make_tiny_target.py", "--out", container.paths.model]
+    if container.tiny_target_fit_steps:
+        # A fitted tiny target answers the synthetic prompts sensibly, so `invoke regenerate` makes real data.
+        argv += ["--fit-steps", str(container.tiny_target_fit_steps)]
     return commands.pct_exec(container.ctid, argv, env=container.run_env(), cwd=container.paths.code,
                              pct=container.host.pct)
 

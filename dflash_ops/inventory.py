@@ -92,6 +92,7 @@ class Container:
     roles: Roles = field(default_factory=Roles)
     python: str = "/usr/bin/python3"
     tiny_target: bool = False
+    tiny_target_fit_steps: int = 0
     paths: Paths = field(default_factory=Paths)
     train_config: str = "configs/production-27b.yaml"
     env: Mapping[str, str] = field(default_factory=dict)
@@ -242,7 +243,7 @@ class _Reader:
 
 
 HOST_KEYS = {"address", "port", "user", "key", "known_hosts", "jump", "node", "pct"}
-CONTAINER_KEYS = {"host", "name", "roles", "python", "tiny_target", "paths", "train_config", "env",
+CONTAINER_KEYS = {"host", "name", "roles", "python", "tiny_target", "tiny_target_fit_steps", "paths", "train_config", "env",
                   "secret_env", "pip_env", "rdzv_address"}
 PATH_KEYS = {"venv", "code", "runs", "model", "data", "caches"}
 CACHE_KEYS = {"inductor", "triton", "torch_extensions"}
@@ -347,6 +348,9 @@ def _container(r: _Reader, raw_id, raw, hosts: Mapping[str, Host]) -> Container:
     tiny = raw.get("tiny_target", False)
     if not isinstance(tiny, bool):
         r.fail(f"{key}.tiny_target", f"must be true or false, got {tiny!r}")
+    fit_steps = r.typed(raw.get("tiny_target_fit_steps", 0), f"{key}.tiny_target_fit_steps", int)
+    if fit_steps < 0:
+        r.fail(f"{key}.tiny_target_fit_steps", f"must be 0 or more, got {fit_steps}")
     train_config = r.text(raw.get("train_config", "configs/production-27b.yaml"), f"{key}.train_config")
     if train_config.startswith("-"):
         r.fail(f"{key}.train_config", "must be a path, not an option")
@@ -357,6 +361,7 @@ def _container(r: _Reader, raw_id, raw, hosts: Mapping[str, Host]) -> Container:
         roles=_roles(r, raw.get("roles"), f"{key}.roles"),
         python=r.abspath(raw.get("python", "/usr/bin/python3"), f"{key}.python"),
         tiny_target=tiny,
+        tiny_target_fit_steps=fit_steps,
         paths=_paths(r, raw.get("paths"), f"{key}.paths"),
         train_config=train_config,
         env=r.env(raw.get("env"), f"{key}.env"),

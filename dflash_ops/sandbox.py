@@ -127,7 +127,7 @@ def default_state_dir() -> Path:
 # --- public API -------------------------------------------------------------------------------
 
 def up(state_dir=None, containers=(200,), hosts=1, *, stopped=(), inventory_path=DEFAULT_INVENTORY,
-       shm_size="1g") -> Sandbox:
+       shm_size="1g", tiny_fit_steps=0) -> Sandbox:
     """Bring the sandbox up: `hosts` sshd hosts, each with its containers; idempotent.
 
     Host 1 gets `containers` (running) and `stopped` (created, kept stopped); host k gets the same
@@ -146,7 +146,7 @@ def up(state_dir=None, containers=(200,), hosts=1, *, stopped=(), inventory_path
     if _write_if_changed(sandbox.known_hosts, _known_hosts(sandbox)):
         changed.append("known_hosts written")
     if inventory_path is not None:
-        if _write_if_changed(Path(inventory_path), yaml.safe_dump(inventory(sandbox), sort_keys=False)):
+        if _write_if_changed(Path(inventory_path), yaml.safe_dump(inventory(sandbox, tiny_fit_steps), sort_keys=False)):
             changed.append(f"inventory written: {inventory_path}")
     _write_if_changed(state / "inventory-path", str(inventory_path or ""))
     return Sandbox(**{**sandbox.__dict__, "changed": tuple(changed)})
@@ -409,8 +409,12 @@ def _kill_host_processes(host: HostState) -> list[int]:
 
 # --- inventory --------------------------------------------------------------------------------
 
-def inventory(sandbox: Sandbox) -> dict:
-    """The inventory (docs/design.md schema) that points the tasks at this sandbox."""
+def inventory(sandbox: Sandbox, tiny_fit_steps: int = 0) -> dict:
+    """The inventory (docs/design.md schema) that points the tasks at this sandbox.
+
+    `tiny_fit_steps` > 0: deploy fits the tiny target to the synthetic data for that many steps, so
+    its greedy answers (and `invoke regenerate`'s data) make sense; 0 keeps it random (fast tests).
+    """
     hosts, containers = {}, {}
     for h in sandbox.hosts:
         hosts[h.name] = {"address": "127.0.0.1", "port": h.port, "user": "root", "key": str(sandbox.key),
@@ -418,7 +422,7 @@ def inventory(sandbox: Sandbox) -> dict:
                          "pct": str(h.pct)}
         for vmid in sorted(h.containers):
             containers[vmid] = {"host": h.name, "name": f"ct{vmid}", **copy.deepcopy(CONTAINER_DEFAULTS),
-                                "pip_env": host_pip_env()}
+                                "tiny_target_fit_steps": int(tiny_fit_steps), "pip_env": host_pip_env()}
     return {"default_container": min(containers) if containers else 200, "hosts": hosts,
             "containers": containers, "groups": {"all": sorted(containers)}}
 

@@ -274,3 +274,16 @@ def test_gpu_verdicts(ct):
 def test_human_bytes():
     assert [facts.human_bytes(n) for n in (0, 1023, 1024, 5 << 20, 3 << 40)] == \
         ["0 B", "1023 B", "1.0 KiB", "5.0 MiB", "3.0 TiB"]
+
+
+def test_the_tiny_target_is_fitted_only_when_the_inventory_asks():
+    import dataclasses
+
+    from dflash_ops import deploy
+    from dflash_ops.inventory import load_inventory
+
+    repo = Path(__file__).resolve().parents[2]
+    ct = dataclasses.replace(load_inventory(repo / "inventory" / "production.yaml").container(200), tiny_target=True)
+    assert "--fit-steps" not in deploy.tiny_target_line(ct)
+    fitted = deploy.tiny_target_line(dataclasses.replace(ct, tiny_target_fit_steps=200))
+    assert fitted.endswith("make_tiny_target.py --out /dev/shm/Qwen3.6-27B --fit-steps 200")

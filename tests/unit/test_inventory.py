@@ -66,6 +66,8 @@ def test_good_inventory_loads_into_frozen_dataclasses():
     (["containers", 200, "roles", "drafter"], [4, 5], "containers.200.roles", "both a target and a drafter"),
     (["containers", 200, "host"], "nope", "containers.200.host", "no host named"),
     (["containers", 200, "tiny_target"], "yes", "containers.200.tiny_target", "true or false"),
+    (["containers", 200, "tiny_target_fit_steps"], -1, "containers.200.tiny_target_fit_steps", "0 or more"),
+    (["containers", 200, "tiny_target_fit_steps"], "200", "containers.200.tiny_target_fit_steps", "must be int"),
     (["groups", "all"], [200, 999], "groups.all", "not defined"),
     (["default_container"], 201, "default_container", "not defined"),
     (["hosts", "pve1", "jump"], "pve1", "hosts.pve1.jump", "no other host"),

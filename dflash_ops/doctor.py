@@ -125,12 +125,20 @@ def model_check(ct: Container, fact: dict) -> Check:
                  f"{fact.get('layers')} layers")
 
 
+SPACE_FIXES = {
+    "free /dev/shm": "remove stale models or files in /dev/shm (on the host: `pct exec <id> -- ls -la /dev/shm`), "
+                     "or raise the container's /dev/shm size; see docs/runbooks/disk-full.md",
+    "free runs dir": "remove old runs or checkpoints under the runs directory, or grow the mount; "
+                     "see docs/runbooks/disk-full.md",
+}
+
+
 def space_check(name: str, fact: dict, minimum: int) -> Check:
     free = fact.get("free")
     detail = f"{facts.human_bytes(free)} free of {facts.human_bytes(fact.get('total'))} ({fact.get('path')})"
     if free is None or free < minimum:
-        return Check(name, False, detail, f"free at least {facts.human_bytes(minimum)}: remove old runs "
-                     f"or checkpoints, or grow the mount")
+        fix = SPACE_FIXES.get(name, "free space or grow the mount")
+        return Check(name, False, detail, f"free at least {facts.human_bytes(minimum)}: {fix}")
     return Check(name, True, detail)
 
 

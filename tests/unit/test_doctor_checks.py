@@ -104,3 +104,12 @@ def test_gpus_against_the_roles():
 
 def test_an_alive_run_is_reported():
     assert verdicts(alive="run-7")["runs"].detail == "run 'run-7' is alive"
+
+
+def test_a_full_dev_shm_is_not_blamed_on_old_runs():
+    from dflash_ops.doctor import space_check
+
+    shm = space_check("free /dev/shm", {"free": 0, "total": 1 << 30, "path": "/dev/shm"}, 256 << 20)
+    runs = space_check("free runs dir", {"free": 0, "total": 1 << 30, "path": "/root/runs"}, 1 << 30)
+    assert not shm.ok and "/dev/shm" in shm.fix and "old runs" not in shm.fix
+    assert not runs.ok and "old runs" in runs.fix

@@ -12,7 +12,7 @@ BASE = {
     "hosts": {"pve1": {"address": "pve1.example"}, "pve2": {"address": "pve2.example"}},
     "containers": {
         200: {"host": "pve1", "roles": {"target": [0], "drafter": [1, 2]}},
-        201: {"host": "pve2", "roles": {"target": [0], "drafter": [1, 2]}, "rdzv_address": "10.0.0.2"},
+        201: {"host": "pve2", "roles": {"target": [0], "drafter": [1, 2]}, "rdzv_address": "127.0.0.2"},
     },
     "groups": {"pair": [200, 201]},
 }
@@ -28,14 +28,14 @@ def inventory(**edits):
 def test_rdzv_address_is_optional_and_defaults_to_the_host_address():
     inv = inventory()
     assert inv.containers[200].rdzv_address is None
-    assert [multinode.node_address(c) for c in inv.select(group="pair")] == ["pve1.example", "10.0.0.2"]
-    assert inventory(ct200={"rdzv_address": "[fd00::1]"}).containers[200].rdzv_address == "[fd00::1]"
+    assert [multinode.node_address(c) for c in inv.select(group="pair")] == ["pve1.example", "127.0.0.2"]
+    assert inventory(ct200={"rdzv_address": "[::1]"}).containers[200].rdzv_address == "[::1]"
 
 
 @pytest.mark.parametrize("value,reason", [
-    ("fd00::1", "write an IPv6 address in brackets"),
+    ("::1", "write an IPv6 address in brackets"),
     ("-oProxyCommand=x", "not a host name or address"),
-    ("10.0.0.1 10.0.0.2", "not a host name or address"),
+    ("127.0.0.1 127.0.0.2", "not a host name or address"),
     (5, "must be str"),
 ])
 def test_bad_rdzv_address_is_refused_with_file_key_and_reason(value, reason):
@@ -51,7 +51,7 @@ def test_torchrun_options_per_node():
               "--rdzv-id=r1"]
     assert first == ["/root/dflash/distributed.py", *common, "--rdzv-conf=is_host=1", "--local-addr=pve1.example",
                      "--max-restarts=0", "--monitor-interval=1"]
-    assert second == ["/root/dflash/distributed.py", *common, "--rdzv-conf=is_host=0", "--local-addr=10.0.0.2",
+    assert second == ["/root/dflash/distributed.py", *common, "--rdzv-conf=is_host=0", "--local-addr=127.0.0.2",
                       "--max-restarts=0", "--monitor-interval=1"]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -37,8 +38,12 @@ class Deployed:
         return r
 
     def popen(self, *args) -> subprocess.Popen:
+        # The tests send Ctrl-C (SIGINT) to this process: give it SIGINT's default disposition even
+        # when the test runner was started with SIGINT ignored (a background job without job
+        # control), or Python would never raise KeyboardInterrupt.
         return subprocess.Popen(self.invoke_argv(*args), cwd=REPO, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+                                stderr=subprocess.STDOUT, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
     def container(self, *argv, check=True) -> subprocess.CompletedProcess:
         """Run argv in the container with the host's pct (observation and fault injection only)."""

@@ -11,7 +11,6 @@ import hashlib
 import logging
 import os
 import socket
-import sys
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
@@ -284,7 +283,3 @@ def pin_host_key(host: Host, key: paramiko.PKey) -> str:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     keys.save(path)
     return path
-
-
-def eprint(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)

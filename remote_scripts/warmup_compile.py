@@ -8,7 +8,9 @@ enabled (the incident's warm-up ran under no_grad, which compiles a different gr
 evaluation forward without grad, on batches of exactly the shapes training uses, through the same
 model, config and compile settings (imported, never copied). The target's weights are not loaded:
 compiled graphs depend on shapes and dtypes only, so random features of the target's width stand
-in. Exits non-zero with a one-line message on failure.
+in. On CUDA it also compiles the target's decoder-layer graph (the fast path's compiled layers),
+on a random-weight model of the target's config cut to one layer of each kind. Exits non-zero
+with a one-line message on failure.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import traceback
 import compile_safety
 import training
 from dflash_data import DataError, load_examples
-from target_model import ShapeOnlyTarget, TargetLoadError, load_tokenizer
+from target_model import ShapeOnlyTarget, TargetLoadError, load_tokenizer, warm_compiled_layers
 from train_config import ConfigError, resolve_path
 from train_dflash import cli_parser, config_from_args, setup_logging
 
@@ -33,7 +35,7 @@ def warm(args) -> int:
     config = config_from_args(args)
     setup_logging(None)
     drafter_devices = training.parse_devices(config.devices.drafter, "devices.drafter")
-    training.parse_devices(config.devices.target, "devices.target")
+    target_devices = training.parse_devices(config.devices.target, "devices.target")
     training.check_attention(config, drafter_devices)
 
     target_path = resolve_path(config.target.path)
@@ -50,6 +52,11 @@ def warm(args) -> int:
     timings = training.warm_up(drafters.workers, lambda worker: training.prepare_batch(
         examples, config, target, worker.device, drafters.mask_token_id, drafters.build_mask,
         training.anchor_generator(config.train.seed, -2, worker.index)))
+    layers = warm_compiled_layers(target_path, config.target.dtype, target_devices,
+                                  config.train.batch_size, config.data.max_length)
+    if layers["layers"]:
+        log.info("target: %d decoder layer graph(s) compiled on %d device(s) in %.1f s",
+                 layers["layers"], layers["devices"], layers["seconds"])
     stats = compile_safety.stats()
     if config.compile.enabled:
         log.info("warm-up done: %d shape(s) on %s in %.1f s; compiled calls %d, fallbacks %d; "

@@ -30,7 +30,14 @@ VARIANTS = [
     ("kvblock64", {"fwd_BLOCK_N": 64, "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64,
                    "bwd_BLOCK_N2": 64}, 64, False),
     ("gqa_packed", {}, 128, True),
+    ("bwd64x128w8s3", {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128,
+                       "bwd_BLOCK_N2": 64, "bwd_num_warps": 8, "bwd_num_stages": 3}, 128, False),
+    # torch.compile(mode="max-autotune-no-cudagraphs"): inductor benchmarks its own list of
+    # forward and backward configs and keeps the fastest (minutes of compile)
+    ("autotune", {}, 128, False),
+    ("autotune_kvblock64", {}, 64, False),
 ]
+AUTOTUNE_MODE = "max-autotune-no-cudagraphs"
 
 
 def make_inputs(device, batch=1, heads=32, kv_heads=8, context=3072, anchors=512, block=16,
@@ -121,24 +128,29 @@ def run(results, device, smoke: bool = False, variants=None, compare: bool = Tru
                 rel_err_out_dq_dk_dv=errs, note=note)
     if smoke and device == "cpu":
         return  # flex_attention has no CPU backward in this torch
-    compiled = torch.compile(flex_attention, dynamic=False)
+    plain = torch.compile(flex_attention, dynamic=False)
+    autotuned = None
     best = None
     todo = [v for v in VARIANTS if not variants or v[0] in variants]
     rows = {}
     while todo:
         name, opts, kv_block, packed = todo.pop(0)
         try:
+            if name.startswith("autotune"):
+                autotuned = autotuned or torch.compile(flex_attention, dynamic=False,
+                                                       mode=AUTOTUNE_MODE)
+            compiled = autotuned if name.startswith("autotune") else plain
             group = heads // k.shape[1] if packed else 1
             bm = block_mask(inp, kv_block, group)
             if packed:
                 b, hkv = k.shape[:2]
 
-                def call(opts=opts, bm=bm):
+                def call(opts=opts, bm=bm, compiled=compiled):
                     qp = q.view(b, hkv, group * q_len, head_dim)  # heads of a group are adjacent
                     out = compiled(qp, k, v, block_mask=bm, scale=scale, kernel_options=opts)
                     return out.view(b, heads, q_len, head_dim)
             else:
-                def call(opts=opts, bm=bm):
+                def call(opts=opts, bm=bm, compiled=compiled):
                     return compiled(q, k, v, block_mask=bm, scale=scale, enable_gqa=True,
                                     kernel_options=opts)
             got = _grads(call, inp)  # compiles fwd + bwd
@@ -151,7 +163,8 @@ def run(results, device, smoke: bool = False, variants=None, compare: bool = Tru
                               fwd_tflops=flops_fwd / t_fwd["ms"] / 1e9,
                               bwd_tflops=(flops - flops_fwd) / (t["ms"] - t_fwd["ms"]) / 1e9,
                               rel_err_out_dq_dk_dv=errs, out_vs_sdpa=agree, options=opts,
-                              note=f"kv_block={kv_block} packed={packed}")
+                              note=f"kv_block={kv_block} packed={packed}"
+                              + (f" mode={AUTOTUNE_MODE}" if name.startswith("autotune") else ""))
             rows[name] = row
             if kv_block == 128 and not packed and (best is None or row["ms"] < best["ms"]):
                 best = row
@@ -168,7 +181,7 @@ def run(results, device, smoke: bool = False, variants=None, compare: bool = Tru
 
 def _combine(rows):
     """Forward options of the fastest forward and backward options of the fastest backward."""
-    ok = [r for n, r in rows.items() if r and "kv_block=128 packed=False" in r["note"]]
+    ok = [r for n, r in rows.items() if r and r["note"] == "kv_block=128 packed=False"]
     if not ok:
         return None
     fwd = min(ok, key=lambda r: r["fwd_ms"])["options"]

@@ -46,26 +46,30 @@ def run(results, device, smoke, ceiling, batches=(4, 1), compile_layers=True):
     seq = 3072 if not smoke else 64
     target = Target.__new__(Target)  # the project's extraction path on this model
     target.model, target.config, target.devices, target.layer_ids = model, config, [device], taps
+    target.compiled_layers = 0
 
     def flops(batch, layers_run):
         attn = 2.0 * seq * seq * config.head_dim * config.num_attention_heads
         return layers_run * batch * (2.0 * per_layer * seq + attn)
 
     g = torch.Generator().manual_seed(0)
-    variants = [("project(mask,all layers)", False), ("fast(no mask, stop after last tap)", False)]
+    # reference: transformers with the padding mask, every layer (the baseline); eager fast path
+    # (no mask, stop after the last tap); the project's path, Target.context_features, which on
+    # CUDA is the fast path with each layer compiled through compile_safety (on first call).
+    variants = [("reference(mask,all layers)", False), ("fast eager(no mask, stop after tap)", False)]
     if compile_layers:
-        variants.append(("fast+compiled layers", True))
-    compiled = False
-    for name, want_compile in variants:
-        if want_compile and not compiled:
-            for layer in layers:
-                layer.compile(dynamic=False)
-            compiled = True
+        variants.append(("project: Target.context_features (fast + compiled layers)", True))
+    for name, project in variants:
+        graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         for batch in batches:
             ids = torch.randint(0, config.vocab_size, (batch, seq), generator=g)
             mask = torch.ones(batch, seq, dtype=torch.long)
-            if name.startswith("project"):
-                fn, run_layers = (lambda: target.context_features(ids, mask, device)), len(layers)
+            mask[-1, seq - 100:] = 0  # right padding on the last row, as collate pads
+            if name.startswith("reference"):
+                fn, run_layers = (lambda: target.reference_features(ids, mask, device)), len(layers)
+            elif project:
+                fn = lambda: target.context_features(ids, mask, device)  # noqa: E731
+                run_layers = max(taps) + 1
             else:
                 ids_dev = ids.to(device)
                 fn = lambda: fast_paths.target_features(model, ids_dev, taps, device)  # noqa: E731
@@ -73,17 +77,20 @@ def run(results, device, smoke, ceiling, batches=(4, 1), compile_layers=True):
             try:
                 first = time_fn(fn, device, warmup=0, iters=1)["ms"]
                 t = time_fn(fn, device, warmup=1, iters=3 if smoke else 6)
-                if name.startswith("fast"):  # same features as the project path (real tokens)
-                    ref = target.context_features(ids, mask, device).float()
-                    err = float((fn().float() - ref).norm() / ref.norm())
+                if not name.startswith("reference"):  # same features on the real tokens
+                    real = mask.bool().to(device)
+                    ref = target.reference_features(ids, mask, device).float()[real]
+                    err = float((fn().float()[real] - ref).norm() / ref.norm())
                 else:
                     err = 0.0
                 f = flops(batch, run_layers)
                 results.add("target_extraction", f"{name} B={batch}", ms=t["ms"],
                             tflops=f / t["ms"] / 1e9, mfu_pct=100 * f / t["ms"] / 1e9 / ceiling,
                             tokens_per_s=batch * seq / t["ms"] * 1e3, first_call_ms=first,
-                            rel_err_vs_project=err, layers_run=run_layers,
-                            note=f"S={seq} taps={taps}")
+                            rel_err_vs_reference=err, layers_run=run_layers,
+                            compiled_layers=target.compiled_layers,
+                            new_dynamo_graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"]
+                            - graphs_before, note=f"S={seq} taps={taps}")
             except Exception as exc:
                 import traceback
                 traceback.print_exc()

@@ -68,7 +68,7 @@ def test_target_features_match_the_project_path_on_real_tokens(tiny_target, taps
     for row, n in enumerate(lengths):
         ids[row, n:] = 0
         attention[row, :n] = 1
-    ref = target.context_features(ids, attention, "cpu")
+    ref = target.reference_features(ids, attention, "cpu")
     got = fast_paths.target_features(target.model, ids, taps, "cpu")
     assert got.shape == ref.shape
     for row, n in enumerate(lengths):  # pad positions differ; nothing reads them

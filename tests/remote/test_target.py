@@ -55,3 +55,98 @@ def test_directory_without_a_checkpoint_is_a_one_line_error(tmp_path):
     assert "\n" not in str(info.value)
     with pytest.raises(TargetLoadError, match=r"^cannot load the target model from "):
         Target(str(tmp_path), ["cpu"], "float32")
+
+
+def _padded(lengths, width, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, 200, (len(lengths), width), generator=g)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, n:] = 0
+        mask[row, :n] = 1
+    return ids, mask
+
+
+def test_context_features_take_the_fast_path_on_right_padded_batches(tiny_target, monkeypatch):
+    import fast_paths
+
+    target = Target(tiny_target, ["cpu"], "float32", layer_ids=[0, 2])
+    calls = []
+    real = fast_paths.target_features
+    monkeypatch.setattr(fast_paths, "target_features",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    ids, mask = _padded([12, 7], 12)
+    got = target.context_features(ids, mask, "cpu")
+    ref = target.reference_features(ids, mask, "cpu")
+    assert calls == [1] and got.shape == ref.shape == (2, 12, 128)
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got[1, :7], ref[1, :7], rtol=1e-4, atol=1e-5)
+    assert target.compiled_layers == 0  # CPU: nothing compiled
+
+
+def test_left_padded_batches_keep_the_reference_path(tiny_target):
+    target = Target(tiny_target, ["cpu"], "float32", layer_ids=[1, 3])
+    ids, mask = _padded([10, 6], 10, seed=1)
+    ids, mask = ids.flip(1), mask.flip(1)  # real tokens last: the no-mask path would be wrong
+    torch.testing.assert_close(target.context_features(ids, mask, "cpu"),
+                               target.reference_features(ids, mask, "cpu"), rtol=0, atol=0)
+
+
+def test_fast_path_switch_off_restores_the_reference(tiny_target, monkeypatch):
+    import fast_paths
+
+    monkeypatch.setattr(fast_paths, "ENABLED", False)
+    target = Target(tiny_target, ["cpu"], "float32", layer_ids=[1])
+    ids, mask = _padded([8, 3], 8, seed=2)
+    torch.testing.assert_close(target.context_features(ids, mask, "cpu"),
+                               target.reference_features(ids, mask, "cpu"), rtol=0, atol=0)
+
+
+def test_right_padded_and_layer_kinds():
+    from types import SimpleNamespace
+
+    from target_model import _one_layer_per_kind, right_padded
+
+    assert right_padded(torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1]]))
+    assert not right_padded(torch.tensor([[1, 1, 0], [0, 1, 1]]))
+    assert not right_padded(torch.tensor([[1, 0, 1]]))
+    assert _one_layer_per_kind(SimpleNamespace()) == 1
+    hybrid = ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3
+    assert _one_layer_per_kind(SimpleNamespace(layer_types=hybrid)) == 4
+    assert _one_layer_per_kind(SimpleNamespace(layer_types=["full_attention"] * 6)) == 1
+
+
+def test_layer_warm_up_compiles_nothing_off_cuda(tiny_target):
+    from target_model import warm_compiled_layers
+
+    assert warm_compiled_layers(tiny_target, "float32", ["cpu"], 1, 16)["layers"] == 0
+
+
+def test_compiled_layers_give_the_reference_features_with_one_graph(tiny_target, tmp_path,
+                                                                      monkeypatch):
+    """The CUDA-only layer compile, forced on CPU (inductor's C++ backend): same features on the
+    real tokens, every layer call through compile_safety's lock, one graph shared by all layers."""
+    import compile_safety
+    import target_model
+
+    monkeypatch.setattr(compile_safety, "_settings", compile_safety.CompileSettings())
+    monkeypatch.setattr(compile_safety, "_stats", {})
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(target_model, "compile_layers_wanted", lambda devices: True)
+    compile_safety.configure_compile(cache_dir=tmp_path / "inductor")
+    torch._dynamo.reset()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    target = Target(tiny_target, ["cpu"], "float32", layer_ids=[0, 2, 3])
+    ids, mask = _padded([14, 9], 14, seed=3)
+    got = target.context_features(ids, mask, "cpu")
+    got_again = target.context_features(ids, mask, "cpu")
+    plain = Target(tiny_target, ["cpu"], "float32", layer_ids=[0, 2, 3])  # never compiled
+    ref = plain.reference_features(ids, mask, "cpu")
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got[1, :9], ref[1, :9], rtol=1e-4, atol=1e-5)
+    assert torch.equal(got, got_again)
+    assert target.compiled_layers == 4  # layers 0..3: up to the last tap
+    assert compile_safety.stats()["by_name"]["target_layer"]["calls"] == 8  # 4 layers x 2 calls
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1
+    torch._dynamo.reset()

@@ -83,6 +83,8 @@ def main() -> int:
     parser.add_argument("--drafter-27b-variants", default="plain,fast")
     parser.add_argument("--no-target-compile", action="store_true")
     parser.add_argument("--pipeline-kind", default="4b", help="target class: 4b or 8b")
+    parser.add_argument("--pipeline-target-devices", default="cuda:0")
+    parser.add_argument("--pipeline-drafter-devices", default="cuda:0,cuda:0,cuda:0")
     parser.add_argument("--launches", default="1-5", help="cold launch numbers, e.g. 1-3 or 4-5")
     parser.add_argument("--pipeline-parts", default="cold,warm,alone")
     parser.add_argument("--steps", type=int, default=20)
@@ -128,6 +130,8 @@ def main() -> int:
                         cache_dir, ceiling)
     if "pipeline" in only:
         import pipeline
+        pipeline.DEVICES.update(target=args.pipeline_target_devices,
+                                drafters=args.pipeline_drafter_devices)
         first, last = (int(x) for x in args.launches.split("-"))
         pipeline.run(results, args.work, args.out, args.smoke, args.pipeline_kind,
                      range(first, last + 1), args.steps, args.parallel, args.budget_s,

@@ -9,7 +9,8 @@
 - `FLEX_KERNEL_OPTIONS`: flex_attention kernel options measured on an H200 (bench/RESULTS.md).
 - `adamw`: AdamW with the fused CUDA kernel where the parameters are on CUDA.
 - `target_features`: the target's tapped hidden states without the padding mask (SDPA's causal
-  flash kernel instead of a materialised mask) and without the layers after the last tap.
+  flash kernel instead of a materialised mask) and without the layers after the last tap;
+  target_model.Target.context_features uses it (and compiles the layers on CUDA).
 """
 
 from __future__ import annotations

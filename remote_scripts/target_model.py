@@ -9,7 +9,7 @@ caller asks for.
 Fast path (fast_paths.ENABLED, the default): for right-padded batches (dflash_data.collate) the
 features come from fast_paths.target_features (no padding mask, no layers after the last tap),
 and on CUDA with compile enabled each decoder layer up to the last tap is compiled once, behind
-compile_safety's lock like every compiled call (bench/RESULTS.md: 59.6% -> 80.2% MFU at the
+compile_safety's lock like every compiled call (bench/RESULTS.md: 54.6% -> 83.7% MFU at the
 Qwen3-8B shape). `reference_features` is the plain transformers path, kept for comparison.
 `warm_compiled_layers` fills the compile cache with the target's layer graph without loading its
 weights, for warmup_compile.py.

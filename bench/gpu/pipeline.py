@@ -1,5 +1,7 @@
-"""Issue 6 scaled down to one GPU: the production layout (target + three drafter worker threads)
-on cuda:0, run as the container runs it (train_dflash.py / warmup_compile.py subprocesses).
+"""Issue 6 scaled down: the production layout (target + three drafter worker threads) on the GPUs
+there are (default: all on cuda:0; `--pipeline-target-devices cuda:0 --pipeline-drafter-devices
+cuda:1,cuda:1,cuda:1` on two), run as the container runs it (train_dflash.py / warmup_compile.py
+subprocesses).
 
 - launches from a cold compile cache (each its own fresh TORCHINDUCTOR_CACHE_DIR), each to step
   N, with a watchdog; `parallel` of them at a time after the first (which runs alone and gives
@@ -87,7 +89,8 @@ class Sampler:
         if shutil.which("nvidia-smi"):
             self.file = open(path, "w")
             self.proc = subprocess.Popen(
-                ["nvidia-smi", "--query-gpu=timestamp,utilization.gpu,memory.used,power.draw",
+                ["nvidia-smi",
+                 "--query-gpu=timestamp,index,utilization.gpu,memory.used,power.draw",
                  "--format=csv,noheader,nounits", f"-lms={period_ms}"], stdout=self.file,
                 stderr=subprocess.DEVNULL)
 
@@ -98,10 +101,10 @@ class Sampler:
             self.file.close()
 
     def utilisation(self, start_wall: float, stop_wall: float) -> dict:
-        """Mean/min utilisation of samples between two time.time() instants."""
+        """Mean/min utilisation between two time.time() instants: all GPUs, then each GPU."""
         from datetime import datetime
 
-        values = []
+        by_gpu: dict[str, list[float]] = {}
         if not os.path.exists(self.path):
             return {}
         for line in open(self.path):
@@ -109,13 +112,29 @@ class Sampler:
             try:
                 stamp = datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
                 if start_wall <= stamp <= stop_wall:
-                    values.append(float(parts[1]))
+                    by_gpu.setdefault(parts[1], []).append(float(parts[2]))
             except (ValueError, IndexError):
                 continue
+        values = [v for vs in by_gpu.values() for v in vs]
         if not values:
             return {"samples": 0}
-        return {"samples": len(values), "util_mean": sum(values) / len(values),
-                "util_min": min(values)}
+        out = {"samples": len(values), "util_mean": sum(values) / len(values),
+               "util_min": min(values)}
+        if len(by_gpu) > 1:
+            for index, vs in sorted(by_gpu.items()):
+                out[f"util_mean_gpu{index}"] = sum(vs) / len(vs)
+                out[f"util_min_gpu{index}"] = min(vs)
+        return out
+
+
+# the layout: set by run(); "cuda:0" everywhere unless the bench is told otherwise
+DEVICES = {"target": "cuda:0", "drafters": "cuda:0,cuda:0,cuda:0"}
+
+
+def _layout(smoke: bool) -> tuple[str, list[str]]:
+    if smoke:
+        return "cpu", ["cpu"] * 3
+    return DEVICES["target"], DEVICES["drafters"].split(",")
 
 
 STEP_RE = re.compile(r"step (\d+)/(\d+) .*\| ([\d.]+) tok/s")
@@ -156,7 +175,7 @@ def launch(script: str, args: list[str], log_path: str, timeout: float, env_extr
 
 
 def train_args(config, target, data, cache, run_dir, steps, workers=3, smoke=False):
-    dev = "cpu" if smoke else "cuda:0"
+    target_dev, drafter_devs = _layout(smoke)
     sets = [f"target.path={target}", f"data.train={data}", f"data.heldout={data}",
             f"compile.cache_dir={cache}", "train.log_every=1", "train.eval_batches=1",
             "train.save_every=100000", "train.batch_size=1"]
@@ -164,8 +183,8 @@ def train_args(config, target, data, cache, run_dir, steps, workers=3, smoke=Fal
         sets += ["model.attention=dense", "compile.enabled=false", "data.max_length=64",
                  "data.num_anchors=8", "model.block_size=4", "model.num_draft_layers=2",
                  "target.dtype=float32"]
-    args = ["--config", config, "--target-devices", dev,
-            "--drafter-devices", ",".join([dev] * workers), "--run-dir", run_dir,
+    args = ["--config", config, "--target-devices", target_dev,
+            "--drafter-devices", ",".join(drafter_devs[:workers]), "--run-dir", run_dir,
             "--max-steps", str(steps)]
     for s in sets:
         args += ["--set", s]
@@ -269,15 +288,23 @@ def alone(results, config_path, target_path, data, cache, steps, smoke, sampler)
 
     args = train_args(config_path, target_path, data, cache, "/tmp/unused", steps, smoke=smoke)
     sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
-    dev = "cpu" if smoke else "cuda:0"
+    dev, drafter_devs = _layout(smoke)
     config = load_config(config_path, sets, {"devices.target": dev,
-                                             "devices.drafter": ",".join([dev] * 3)})
+                                             "devices.drafter": ",".join(drafter_devs)})
     tokenizer = load_tokenizer(target_path)
     examples = load_examples(data, tokenizer, config.data.assistant_header,
                              config.data.end_of_turn, config.data.max_length)
     target = Target(target_path, [dev], config.target.dtype)
-    drafters = training.build_drafters(config, target, tokenizer, [dev] * 3)
+    drafters = training.build_drafters(config, target, tokenizer, drafter_devs)
     workers = drafters.workers
+
+    def time_all(fn, warmup, iters):  # synchronise every device of the layout, not only one
+        def synced():
+            out = fn()
+            for d in {dev, *drafter_devs} - {"cpu"}:
+                torch.cuda.synchronize(d)
+            return out
+        return time_fn(synced, dev, warmup=warmup, iters=iters)
 
     def batch_for(worker, i):
         return training.prepare_batch(examples[i % len(examples): i % len(examples) + 1], config,
@@ -288,7 +315,7 @@ def alone(results, config_path, target_path, data, cache, steps, smoke, sampler)
     training.warm_up(workers, lambda w: batch_for(w, 0))
     n = 3 if smoke else 10
     tokens = config.data.max_length
-    t = time_fn(lambda: [batch_for(w, 1) for w in workers], dev, warmup=1, iters=n)
+    t = time_all(lambda: [batch_for(w, 1) for w in workers], warmup=1, iters=n)
     results.add("pipeline", "target alone (prepare_batch x3)", ms=t["ms"],
                 tokens_per_s=3 * tokens / t["ms"] * 1e3)
     batches = [batch_for(w, 2) for w in workers]
@@ -300,7 +327,7 @@ def alone(results, config_path, target_path, data, cache, steps, smoke, sampler)
         list(pool.map(lambda w: w.update(), workers))
 
     wait0 = compile_safety.stats()["lock_wait_s"]
-    t = time_fn(drafter_step, dev, warmup=1, iters=n)
+    t = time_all(drafter_step, warmup=1, iters=n)
     waited = compile_safety.stats()["lock_wait_s"] - wait0
     results.add("pipeline", "drafters alone (3 threads, lock on)", ms=t["ms"],
                 tokens_per_s=3 * tokens / t["ms"] * 1e3,
@@ -309,13 +336,13 @@ def alone(results, config_path, target_path, data, cache, steps, smoke, sampler)
         wrappers = [compile_safety.compiled_flex_attention(), *fast_paths._compiled.values()]
         for wrapper in wrappers:
             wrapper.locked = False
-        t = time_fn(drafter_step, dev, warmup=1, iters=n)
+        t = time_all(drafter_step, warmup=1, iters=n)
         results.add("pipeline", "drafters alone (3 threads, lock OFF, warm)", ms=t["ms"],
                     tokens_per_s=3 * tokens / t["ms"] * 1e3)
         for wrapper in wrappers:
             wrapper.locked = True
         one = workers[0]
-        t = time_fn(lambda: (one.forward_backward(batches[0]), one.update()), dev, 1, n)
+        t = time_all(lambda: (one.forward_backward(batches[0]), one.update()), 1, n)
         results.add("pipeline", "one drafter alone (no contention)", ms=t["ms"],
                     tokens_per_s=tokens / t["ms"] * 1e3)
     pool.shutdown()

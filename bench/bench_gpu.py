@@ -85,6 +85,8 @@ def main() -> int:
     parser.add_argument("--pipeline-kind", default="4b", help="target class: 4b or 8b")
     parser.add_argument("--pipeline-target-devices", default="cuda:0")
     parser.add_argument("--pipeline-drafter-devices", default="cuda:0,cuda:0,cuda:0")
+    parser.add_argument("--pipeline-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra --set for every pipeline launch (repeatable)")
     parser.add_argument("--launches", default="1-5", help="cold launch numbers, e.g. 1-3 or 4-5")
     parser.add_argument("--pipeline-parts", default="cold,warm,alone")
     parser.add_argument("--steps", type=int, default=20)
@@ -132,6 +134,7 @@ def main() -> int:
         import pipeline
         pipeline.DEVICES.update(target=args.pipeline_target_devices,
                                 drafters=args.pipeline_drafter_devices)
+        pipeline.EXTRA_SETS[:] = args.pipeline_set
         first, last = (int(x) for x in args.launches.split("-"))
         pipeline.run(results, args.work, args.out, args.smoke, args.pipeline_kind,
                      range(first, last + 1), args.steps, args.parallel, args.budget_s,

@@ -87,6 +87,9 @@ class TrainConfig:
     eval_batches: int = 4
     save_every: int = 500
     keep_last: int = 3
+    # prepare step n+1's batches (target forward, anchors, masks) in a background thread while
+    # the drafters train on step n; the same batches, in the same order, either way
+    prefetch_target: bool = True
 
     def __post_init__(self):
         for name in ("batch_size", "max_steps", "log_every", "eval_every", "save_every",

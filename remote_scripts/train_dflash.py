@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 import checkpoints
+import compile_safety
 import distributed
 import dflash_model as dm
 import training
@@ -146,22 +147,50 @@ def train(args) -> int:
     pool = ThreadPoolExecutor(max_workers=len(workers), thread_name_prefix="drafter")
     window, window_start = [], time.perf_counter()
 
+    sampler_state = sampler.state_dict()
+
     def save(step):
         if not node.writes_checkpoints:
             return
-        path = save_checkpoint(run_dir, step, workers, sampler, config)
+        # the sampler as of this step's picks: a prefetch may already have taken the next ones
+        path = save_checkpoint(run_dir, step, workers, sampler_state, config)
         diff = training.replica_max_diff(workers)
         write_metrics(metrics, {"kind": "checkpoint", "step": step, "path": path,
                                 "replica_max_abs_diff": diff})
         log.info("checkpoint %s (replicas differ by at most %.3g)", path, diff)
 
+    def take_batches(step):
+        """This step's picks (the sampler advances now) -> (sampler state, batch builder)."""
+        picks = node.take(sampler, config.train.batch_size)
+        state = sampler.state_dict()  # what a checkpoint written at `step` must hold
+
+        def build():
+            compile_safety.apply_thread_settings()  # may run in the prefetch thread
+            return [batch_for(w, [train_examples[i] for i in p],
+                              training.anchor_generator(config.train.seed, step,
+                                                        node.global_worker(w.index)))
+                    for w, p in zip(workers, picks)]
+        return state, build
+
+    # The target prepares step n+1 while the drafters train on step n (train.prefetch_target):
+    # batches depend only on the sampler and (seed, step, worker), never on the drafters.
+    prefetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target") \
+        if config.train.prefetch_target else None
+    upcoming = None  # (sampler state, Future of the batches) for step + 1
+
     if step == 0 and eval_batches:
         evaluate(workers[0], eval_batches, metrics, step)
     while step < stop_step and not stop.requested:
         step += 1
-        batches = [batch_for(w, [train_examples[i] for i in picks],
-                             training.anchor_generator(config.train.seed, step, node.global_worker(w.index)))
-                   for w, picks in zip(workers, node.take(sampler, config.train.batch_size))]
+        if upcoming is None:
+            sampler_state, build = take_batches(step)
+            batches = build()
+        else:
+            sampler_state, batches = upcoming[0], upcoming[1].result()
+            upcoming = None
+        if prefetch is not None and step < stop_step:
+            next_state, next_build = take_batches(step + 1)
+            upcoming = (next_state, prefetch.submit(next_build))
         results = list(pool.map(lambda wb: wb[0].forward_backward(wb[1]), zip(workers, batches)))
         training.average_gradients(workers)
         node.all_reduce_grads(workers)
@@ -177,6 +206,13 @@ def train(args) -> int:
             evaluate(workers[0], eval_batches, metrics, step)
         if step % config.train.save_every == 0 or step == stop_step:
             save(step)
+    if upcoming is not None:  # stopped early: the prefetched batches are not used
+        prefetch.shutdown(wait=True, cancel_futures=True)
+        if not upcoming[1].cancelled() and upcoming[1].exception() is not None:
+            log.warning("prefetch of step %d failed after the stop: %s", step + 1,
+                        upcoming[1].exception())
+    if prefetch is not None:
+        prefetch.shutdown(wait=True)
     if stop.requested:
         if window:
             log_train(metrics, step, stop_step, window, time.perf_counter() - window_start,
@@ -203,14 +239,14 @@ def restore(directory: str, workers, sampler) -> int:
     return int(state["step"])
 
 
-def save_checkpoint(run_dir, step, workers, sampler, config) -> str:
+def save_checkpoint(run_dir, step, workers, sampler_state: dict, config) -> str:
     worker = workers[0]  # replicas are identical; one copy is the checkpoint
 
     def write(directory):
         dm.save_drafter(worker.drafter, directory)
         checkpoints.save_state(directory, {
             "step": step, "optimizer": worker.optimizer.state_dict(),
-            "scheduler": worker.scheduler.state_dict(), "sampler": sampler.state_dict(),
+            "scheduler": worker.scheduler.state_dict(), "sampler": dict(sampler_state),
             "rng": {"torch": torch.get_rng_state()}, "config": config.to_dict(),
         })
     return checkpoints.save_checkpoint(run_dir, step, write, config.train.keep_last)

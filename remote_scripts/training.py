@@ -1,9 +1,11 @@
 """The pieces train_dflash.py and warmup_compile.py share: devices, batches, drafter workers.
 
 One DrafterWorker per drafter device holds a full replica (drafter, optimizer, scheduler, frozen
-copies of the target's embeddings and LM head). Workers run as threads of one process; the main
-thread prepares every batch (target forward, anchors, masks), averages the gradients and runs
-evaluation and warm-up. Every compiled call goes through compile_safety (one process-wide lock).
+copies of the target's embeddings and LM head). Workers run as threads of one process; batches
+(target forward, anchors, masks) are prepared by the main thread, or during training by one
+prefetch thread a step ahead (train.prefetch_target); the main thread averages the gradients and
+runs evaluation and warm-up. Every compiled call goes through compile_safety (one process-wide
+lock), whichever thread makes it.
 """
 
 from __future__ import annotations

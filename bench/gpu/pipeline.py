@@ -129,6 +129,7 @@ class Sampler:
 
 # the layout: set by run(); "cuda:0" everywhere unless the bench is told otherwise
 DEVICES = {"target": "cuda:0", "drafters": "cuda:0,cuda:0,cuda:0"}
+EXTRA_SETS: list[str] = []  # --pipeline-set KEY=VALUE: added to every launch's --set list
 
 
 def _layout(smoke: bool) -> tuple[str, list[str]]:
@@ -178,7 +179,7 @@ def train_args(config, target, data, cache, run_dir, steps, workers=3, smoke=Fal
     target_dev, drafter_devs = _layout(smoke)
     sets = [f"target.path={target}", f"data.train={data}", f"data.heldout={data}",
             f"compile.cache_dir={cache}", "train.log_every=1", "train.eval_batches=1",
-            "train.save_every=100000", "train.batch_size=1"]
+            "train.save_every=100000", "train.batch_size=1", *EXTRA_SETS]
     if smoke:
         sets += ["model.attention=dense", "compile.enabled=false", "data.max_length=64",
                  "data.num_anchors=8", "model.block_size=4", "model.num_draft_layers=2",

@@ -77,6 +77,31 @@ def test_resume_reaches_the_same_state_as_an_uninterrupted_run(tiny_target, tmp_
     assert state_a["sampler"] == state_b["sampler"]
 
 
+def test_prefetching_the_target_changes_nothing_and_checkpoints_keep_their_own_sampler(
+        tiny_target, tmp_path):
+    """train.prefetch_target prepares step n+1 while step n trains: the run must be the same one,
+    and a checkpoint written mid-run must hold the sampler as of its own step, not the one the
+    prefetch already advanced (a resume from it would skip a batch)."""
+    runs = {}
+    for prefetch in ("true", "false"):
+        runs[prefetch] = str(tmp_path / f"prefetch-{prefetch}")
+        result = run_script("train_dflash.py", *tiny_args(
+            tiny_target, runs[prefetch], *QUICK, f"train.prefetch_target={prefetch}",
+            "train.save_every=2", "train.keep_last=3"), "--drafter-devices", "cpu,cpu",
+            "--max-steps", "4")
+        assert result.returncode == 0, result.stderr[-3000:]
+    losses = {p: [(r["step"], r["worker_loss"]) for r in read_metrics(run, "train")]
+              for p, run in runs.items()}
+    assert [step for step, _ in losses["true"]] == [1, 2, 3, 4]
+    assert losses["true"] == losses["false"]
+    for step in (2, 4):
+        on, off = (checkpoint_state(os.path.join(checkpoints.checkpoint_root(runs[p]),
+                                                 f"step-{step}")) for p in ("true", "false"))
+        assert on[1]["sampler"] == off[1]["sampler"]
+        assert on[1]["sampler"]["position"] > 0
+        assert all(torch.equal(on[0][k], off[0][k]) for k in off[0])
+
+
 def test_sigterm_writes_a_checkpoint_and_exits_zero(tiny_target, tmp_path):
     run = str(tmp_path / "run")
     args = tiny_args(tiny_target, run, *QUICK, "train.max_steps=100000")

@@ -206,13 +206,11 @@ def train(args) -> int:
             evaluate(workers[0], eval_batches, metrics, step)
         if step % config.train.save_every == 0 or step == stop_step:
             save(step)
-    if upcoming is not None:  # stopped early: the prefetched batches are not used
+    if prefetch is not None:  # after a stop the prefetched batches are not used
         prefetch.shutdown(wait=True, cancel_futures=True)
-        if not upcoming[1].cancelled() and upcoming[1].exception() is not None:
+        if upcoming is not None and not upcoming[1].cancelled() and upcoming[1].exception():
             log.warning("prefetch of step %d failed after the stop: %s", step + 1,
                         upcoming[1].exception())
-    if prefetch is not None:
-        prefetch.shutdown(wait=True)
     if stop.requested:
         if window:
             log_train(metrics, step, stop_step, window, time.perf_counter() - window_start,

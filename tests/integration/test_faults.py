@@ -68,7 +68,7 @@ def save_back_to_back(progress_fd):
         worker.optimizer.step()
         worker.scheduler.step()
         sampler.take(2)
-        train_dflash.save_checkpoint(run_dir, step, [worker], sampler, config)
+        train_dflash.save_checkpoint(run_dir, step, [worker], sampler.state_dict(), config)
         os.write(progress_fd, b".")
 
 def check(official):

@@ -135,7 +135,7 @@ class Target:
         """
         if not (has_fast_path(self.model) and right_padded(attention_mask)):
             return self.reference_features(input_ids, attention_mask, out_device)
-        first = not self.compiled_layers and self._compile_layers()
+        first = self._compile_layers()
         started = time.perf_counter()
         features = fast_paths.target_features(self.model, input_ids.to(self.devices[0]),
                                               self.layer_ids, out_device)
@@ -185,7 +185,7 @@ def compile_layers(model: nn.Module, count: int) -> int:
     Every layer shares the decoder layer's code, so dynamo compiles one graph per distinct
     layer kind and the others reuse it (the weights are graph inputs, not constants).
     """
-    layers = model.model.layers
+    layers = fast_paths.decoder_layers(model)
     for layer in layers[:count]:
         layer.forward = compile_safety.safe_compile(layer.forward, "target_layer", dynamic=False)
     return min(count, len(layers))
@@ -199,6 +199,19 @@ def _one_layer_per_kind(config) -> int:
     return max(kinds.index(kind) for kind in set(kinds)) + 1
 
 
+def random_weights_model(config, dtype: torch.dtype, device) -> nn.Module:
+    """A frozen causal LM of `config` with random weights, created directly on `device`."""
+    from transformers import AutoModelForCausalLM
+
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return AutoModelForCausalLM.from_config(config).requires_grad_(False).eval()
+    finally:
+        torch.set_default_dtype(old)
+
+
 @torch.no_grad()
 def warm_compiled_layers(path: str, dtype: str, devices: list[str], batch: int, seq: int) -> dict:
     """Compile the target's decoder-layer graph(s) into the compile cache, weights not loaded.
@@ -208,7 +221,7 @@ def warm_compiled_layers(path: str, dtype: str, devices: list[str], batch: int, 
     and devices as training's compiled layers, so training's compile reads the cached graphs.
     Returns {"layers": layer graphs per device, "devices": n, "seconds": s}.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     devices = list(dict.fromkeys(devices))
     if not compile_layers_wanted(devices):
@@ -221,13 +234,7 @@ def warm_compiled_layers(path: str, dtype: str, devices: list[str], batch: int, 
     if getattr(text, "layer_types", None):
         text.layer_types = list(text.layer_types)[:count]
     started = time.perf_counter()
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(DTYPES[dtype])
-    try:
-        with torch.device(devices[0]):
-            model = AutoModelForCausalLM.from_config(config).requires_grad_(False).eval()
-    finally:
-        torch.set_default_dtype(old)
+    model = random_weights_model(config, DTYPES[dtype], devices[0])
     if not has_fast_path(model):
         return {"layers": 0, "devices": 0, "seconds": 0.0}
     compile_layers(model, count)

@@ -13,11 +13,11 @@ import torch
 
 import fast_paths
 from common import QWEN3_8B, time_fn
-from target_model import Target
+from target_model import Target, random_weights_model
 
 
 def build_model(device, smoke: bool):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config
 
     shape = dict(QWEN3_8B)
     if smoke:
@@ -28,14 +28,7 @@ def build_model(device, smoke: bool):
                          tie_word_embeddings=False, use_cache=False)
     config._attn_implementation = "sdpa"
     dtype = torch.float32 if smoke else torch.bfloat16
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = Qwen3ForCausalLM(config)
-    finally:
-        torch.set_default_dtype(old)
-    return model.requires_grad_(False).eval(), config
+    return random_weights_model(config, dtype, device), config
 
 
 def _rel(a, b) -> float:

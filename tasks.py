@@ -1,13 +1,14 @@
 """dflash-ops tasks: `invoke --list` shows them, `invoke --help TASK` explains one.
 
-Glue only: parse flags, pick the target, call one library function. No shell strings here.
+Glue only: parse flags, call one library function. No shell strings here. A task whose first
+parameter is `t` gets the container it works on as a Target (`cli.op_task`), and returns what it
+found (shown with `describe()`); `fan_out=` says what several containers (--group, --ct 200,201) mean.
 """
 
 from invoke import Collection
 
-from dflash_ops import cli
-from dflash_ops.cli import op_task
-from dflash_ops.multinode import fans_out
+from dflash_ops import cli, terminal
+from dflash_ops.cli import ROWS, op_task
 from dflash_ops.errors import UsageError
 
 
@@ -35,7 +36,8 @@ def trust_host(c, host, fingerprint=None, inventory=None):
         print(f"not pinned: re-run with --fingerprint {offered} once you have checked it on the host")
         return
     if fingerprint.strip() != offered:
-        raise UsageError(f"fingerprint mismatch: you gave {fingerprint}, the host offers {offered}; nothing pinned")
+        raise UsageError(f"fingerprint mismatch: you gave {fingerprint}, the host offers {offered}; "
+                         "nothing pinned")
     print(f"pinned in {transport.pin_host_key(h, key)}")
 
 
@@ -78,8 +80,10 @@ def _report(result) -> None:
 
 
 # --- deploy, doctor, compile caches ---------------------------------------------------------------
-@op_task
-def deploy(c, ct=None, group=None, dry_run=False, inventory=None):
+@op_task(fan_out=ROWS,
+         help={"check": "import torch in the container again even if its requirements and GPUs "
+                        "did not change"})
+def deploy(t, ct=None, group=None, dry_run=False, inventory=None, check=False):
     """Ship remote_scripts/ into the container, refresh its venv if the requirements changed, check torch.
 
     Only files whose sha256 differs from the container's copy travel, as one tar over SFTP; the
@@ -87,25 +91,23 @@ def deploy(c, ct=None, group=None, dry_run=False, inventory=None):
     `paths.code` symlink to it atomically, so an interrupted deploy leaves the previous release
     whole (the last three releases are kept). The venv (`paths.venv`) is created or refreshed with
     pip only when remote_scripts/requirements.txt changed, with pip's output shown. Ends by checking
-    that torch imports in the container and sees the GPUs the inventory's roles name, and creates
-    the tiny target model when the inventory asks for one. Nothing changed: one round trip.
+    that torch imports in the container and sees the GPUs the inventory's roles name (the check is
+    recorded in the venv and runs again only when the requirements or the GPU set changed, or with
+    --check), and creates the tiny target model when the inventory asks for one. Nothing changed:
+    one round trip, no torch import.
     """
-    from dflash_ops import deploy as deploy_mod, multinode
+    from dflash_ops import deploy as deploy_mod
 
-    if fans_out(ct, group):
-        cli.for_each(c, multinode.deploy_row, ct, group, inventory, dry_run, title="deploy")
-        return
-    report = deploy_mod.deploy(cli.target(c, ct, inventory, dry_run))
-    if not dry_run:
-        print(deploy_mod.describe(report))
+    return deploy_mod.deploy(t, check=check)
 
 
 
 # --- training runs: warmup, train, logs, status, stop ----------------------------------------------
 @op_task(iterable=["set"], help={
-    "config": "training config in the container, relative to paths.code (default: the inventory's train_config)",
+    "config": "training config in the container, relative to paths.code (default: the inventory's "
+              "train_config)",
     "set": "override a config value, key=value (repeatable), passed to the script as given"})
-def warmup(c, config=None, set=None, ct=None, inventory=None, dry_run=False):
+def warmup(t, config=None, set=None, ct=None, inventory=None, dry_run=False):
     """Fill the compile cache the next run reads (same config, env and devices as train).
 
     Runs warmup_compile.py in the container in the foreground with exactly the config, --set
@@ -116,51 +118,65 @@ def warmup(c, config=None, set=None, ct=None, inventory=None, dry_run=False):
     """
     from dflash_ops import jobs
 
-    jobs.warmup(cli.target(c, ct, inventory, dry_run), config, set or ())
+    jobs.warmup(t, config, set or ())
+
+
+def _train_nodes(targets, run=None, config=None, set=None, max_steps=None, rdzv_port=29400, **_):
+    """Several containers: one run over all of them (multi-node training)."""
+    from dflash_ops import multinode
+
+    multinode.launch_group(targets, run, config, set or (), max_steps, port=rdzv_port)
 
 
 @op_task(iterable=["set"], help={
     "run": "run name (a directory under paths.runs); an existing run resumes from its last checkpoint "
            "(default: the UTC time, e.g. 20260101-120000)",
-    "config": "training config in the container, relative to paths.code (default: the inventory's train_config)",
+    "config": "training config in the container, relative to paths.code (default: the inventory's "
+              "train_config)",
     "set": "override a config value, key=value (repeatable), passed to train_dflash.py as given",
     "max_steps": "stop at this step (the LR schedule still follows train.max_steps)",
-    "rdzv_port": "multi-node (--group or several --ct): the rendezvous port on the first container's node"})
-def train(c, run=None, config=None, set=None, max_steps=None, ct=None, group=None, inventory=None, dry_run=False,
-          rdzv_port=29400):
-    """Start a detached training run in the container; refused while another run is alive.
+    "wait": "seconds to wait for the first training step, showing the log meanwhile (Ctrl-C ends "
+            "the wait only)",
+    "no_wait": "return once the process is detached and alive, without waiting for its first step",
+    "rdzv_port": "multi-node (--group or several --ct): the rendezvous port on the first container's node"},
+         fan_out=_train_nodes)
+def train(t, run=None, config=None, set=None, max_steps=None, ct=None, group=None, inventory=None,
+          dry_run=False, wait=900, no_wait=False, rdzv_port=29400):
+    """Start a detached training run in the container and wait for its first step; refused while another run is alive.
 
-    The run survives this SSH session and your terminal: it is started with `setsid` under a
-    small wrapper that records its pid and, when it ends, its exit code or signal. Its directory
-    under paths.runs holds train.log, metrics.jsonl, checkpoints/, the config as given and as
-    resolved, the environment (secrets masked) and the deployed code version. One run at a time per
-    container, enforced by a lock in the container, so two launches at the same moment start one.
-    Returns after checking that the process is alive; follow it with `invoke logs --follow`.
+    First a preflight in the container (the config, the target, the data, the devices, free space,
+    and whether this run name already reached its last step): a failed check is one line naming its
+    fix, and nothing is created. Then the run is started under `setsid` with a small wrapper that
+    records its pid and, when it ends, its exit code or signal; it survives this SSH session and
+    your terminal. Its directory under paths.runs holds train.log, metrics.jsonl, checkpoints/, the
+    config as given and as resolved, the environment (secrets masked) and the deployed code version.
+    One run at a time per container, enforced by a lock in the container, so two launches at the
+    same moment start one. `train` then shows the log until the first step and returns (multi-node:
+    without waiting); a run that dies meanwhile is reported `crashed` with its last error line and the
+    runbook (non-zero exit). Ctrl-C ends the wait, never the run. --no-wait returns at once.
 
     With --group NAME (or --ct 200,201) it is one run over all those containers: each starts it
     under torchrun (c10d rendezvous on the first container's node, --rdzv-port), drafter gradients
     are averaged within each node and then across nodes, global rank 0 writes the checkpoints.
     `status`, `logs` and `stop` with the same --group show and stop every node.
-    """
-    from dflash_ops import jobs, multinode
+    """  # noqa: E501 (the first line is the one-line summary `invoke --list` shows)
+    from dflash_ops import jobs
 
-    if fans_out(ct, group):
-        multinode.launch_group(c, run, config, set or (), int(max_steps) if max_steps is not None else None,
-                               ct, group, inventory, dry_run, port=int(rdzv_port))
-        return
-
-    t = cli.target(c, ct, inventory, dry_run)
-    launched = jobs.launch(t, run, config, set or (), int(max_steps) if max_steps is not None else None)
-    if not dry_run:
-        print(f"run {launched.run} started on {t.container.label}: pid {launched.pid}, code {launched.code_version}")
-        print(f"log: {launched.log} (in the container)")
-        print(f"follow it: invoke logs --follow --run {launched.run} --ct {t.container.ctid}")
+    if float(wait) <= 0:
+        raise UsageError(f"--wait {wait}: must be > 0 seconds (or give --no-wait)")
+    launched = jobs.launch(t, run, config, set or (), max_steps)
+    if not (dry_run or no_wait):  # the wait only watches: a dry run prints the commands that act
+        launched.verdict = jobs.wait_until_going(t, launched, float(wait))
+    return launched
 
 
-@op_task(help={"run": "run name (default: the latest run)",
-               "n": "how many of the last lines to show",
-               "follow": "keep printing new lines until the run ends (Ctrl-C stops following only)"})
-def logs(c, run=None, n=50, follow=False, ct=None, group=None, inventory=None, dry_run=False):
+@op_task(fan_out=ROWS, help={
+    "run": "run name (default: the latest run)",
+    "n": "how many of the last lines to show",
+    "follow": "keep printing new lines until the run ends (Ctrl-C stops following only)",
+    "raw": "the log's bytes as written, escape sequences included (default: control characters "
+           "shown visibly, e.g. ESC as ^[)"})
+def logs(t, run=None, n=50, follow=False, raw=False, ct=None, group=None, inventory=None, dry_run=False):
     """Show a run's log (the last -n lines), or follow it until the run ends.
 
     Lines that match a known failure (the torch.compile FX-tracing race, CUDA out of memory, NCCL
@@ -168,39 +184,15 @@ def logs(c, run=None, n=50, follow=False, ct=None, group=None, inventory=None, d
     `tail -F`, so it keeps up when the log is rotated or the run restarts, and exits when the run
     ends. Ctrl-C or a lost connection stops the follower in the container too; the run goes on.
     """
-    from dflash_ops import logs as logs_mod, multinode
+    from dflash_ops import logs as logs_mod
 
-    if fans_out(ct, group):  # every line prefixed with its container
-        cli.for_each(c, lambda t: multinode.logs_row(t, run, int(n), follow), ct, group, inventory, dry_run,
-                     title="logs")
-        return
-    printer = logs_mod.show(cli.target(c, ct, inventory, dry_run), run, int(n), follow)
-    if printer.interrupted:
-        print("stopped following; the run goes on")
-    for advice in printer.summary():
-        print(advice)
+    # several containers: every line prefixed with its container
+    return logs_mod.show(t, run, n, follow, raw=bool(raw))
 
 
-@op_task(help={"run": "run name (default: the latest run)",
-               "json": "print the facts as JSON for scripts",
-               "stall_after": "call a running run stalled after this many seconds without a new log line or metric",
-               "watch": "keep the view on screen, refreshed in place every --interval seconds (Ctrl-C stops)",
-               "interval": "seconds between refreshes with --watch"})
-def status(c, run=None, json=False, stall_after=600, ct=None, group=None, inventory=None, dry_run=False,
-           watch=False, interval=5):
-    """Show a run's state, progress and the GPUs, in one round trip.
+def _status_one(t, run=None, json=False, stall_after=600, dry_run=False, watch=False, interval=5, **_):
+    from dflash_ops import status as status_mod
 
-    State: running, stalled (alive, but no new log line or metric for --stall-after seconds),
-    finished, crashed (with the exit code or the signal), stopped. Then pid, uptime, last step,
-    loss, acceptance length, tokens/s, learning rate, per-GPU utilisation and memory when the
-    container has nvidia-smi, and the runbook to read when the log's last lines show a known failure.
-    """
-    from dflash_ops import multinode, status as status_mod
-
-    if fans_out(ct, group):  # one compact row per container; --json: {container: facts} on stdout
-        multinode.status_fan_out(c, run, float(stall_after), json, ct, group, inventory, dry_run)
-        return
-    t = cli.target(c, ct, inventory, dry_run)
     if watch and not (json or dry_run):
         from dflash_ops import watch as watch_mod
         watch_mod.watch(t, run, float(stall_after), float(interval))
@@ -214,33 +206,154 @@ def status(c, run=None, json=False, stall_after=600, ct=None, group=None, invent
         status_mod.render(st, t.container.label)
 
 
-@op_task(help={"run": "run name (default: the latest run)",
-               "grace": "seconds to wait after SIGTERM (the run checkpoints) before SIGKILL"})
-def stop(c, run=None, grace=30, ct=None, group=None, inventory=None, dry_run=False):
+def _status_rows(targets, run=None, json=False, stall_after=600, **_):
+    """Several containers: one compact row each; --json: {container: facts} on stdout."""
+    from dflash_ops import status as status_mod
+
+    status_mod.fan_out(targets, run, stall_after, json)
+
+
+@op_task(optional=["prometheus"], help={
+    "run": "run name (default: the latest run)",
+    "json": "print the facts as JSON for scripts",
+    "stall_after": "call a running run stalled after this many seconds without a new log line or metric",
+    "watch": "keep the view on screen, refreshed in place every --interval seconds (Ctrl-C stops)",
+    "interval": "seconds between refreshes with --watch",
+    "check": "monitoring-plugin output: one line | perfdata; exit 0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN",
+    "hang_after": "--check: a run silent this many seconds is CRITICAL (stalled: WARNING)",
+    "min_free": "--check: WARNING below this much free space on the runs directory (e.g. 10G)",
+    "min_free_shm": "--check: WARNING below this much free space on /dev/shm (e.g. 512M)",
+    "prometheus": "Prometheus text format on stdout, or written atomically to this file "
+                  "(textfile collector)"})
+def status(c, run=None, json=False, stall_after=600, ct=None, group=None, inventory=None, dry_run=False,
+           watch=False, interval=5, check=False, hang_after=1800, min_free="10G", min_free_shm="512M",
+           prometheus=None):
+    """Show a run's state, progress and the GPUs, in one round trip.
+
+    State: running, stalled (alive, but no new log line or metric for --stall-after seconds),
+    finished, crashed (with the exit code or the signal), stopped. Then pid, uptime, last step,
+    loss, acceptance length, tokens/s, learning rate, per-GPU utilisation and memory when the
+    container has nvidia-smi, and the runbook to read when the log's last lines show a known failure.
+
+    --check and --prometheus are for monitoring (docs/runbooks/alerting.md). --check follows the
+    monitoring-plugin convention, its own exit codes: 0 OK (running, finished), 1 WARNING (stalled,
+    low free space), 2 CRITICAL (crashed, hung past --hang-after, a known failure in the log), 3
+    UNKNOWN (host unreachable, host key refused, bad flag). With --ct 200,201 or --group the worst
+    verdict comes first, then one line per container.
+    """
+    if check:
+        from invoke import Exit
+
+        from dflash_ops import alerting, monitoring
+
+        def thresholds_and_targets():
+            return (monitoring.Thresholds(float(stall_after), float(hang_after),
+                                          monitoring.parse_size(min_free, "--min-free"),
+                                          monitoring.parse_size(min_free_shm, "--min-free-shm")),
+                    cli.targets(c, ct, group, inventory, dry_run))
+
+        code = alerting.check(thresholds_and_targets, run)
+        if code:
+            raise Exit(code=code)
+        return
+    if prometheus is not None:
+        from dflash_ops import alerting
+
+        written = alerting.export_metrics(cli.targets(c, ct, group, inventory, dry_run), run,
+                                          float(stall_after), None if prometheus is True else prometheus)
+        if written:
+            print(f"wrote {written}")
+        return
+    # monitoring (above) takes every selected container as it is; the view fans out like any task
+    cli.on_targets(_status_one, fan_out=_status_rows)(
+        c, run=run, json=json, stall_after=stall_after, ct=ct, group=group, inventory=inventory,
+        dry_run=dry_run, watch=watch, interval=interval)
+
+
+@op_task(name="watch", help={
+    "run": "the run to watch (it may be about to start)",
+    "every": "seconds between polls (one round trip each)",
+    "stall_after": "a running run silent this many seconds is stalled",
+    "hang_after": "... and this many seconds: hung",
+    "notify_cmd": "run this local command for each event, the event as JSON on stdin (split like a shell "
+                  "line, run without a shell: write sh -c '...' for pipes)",
+    "webhook": "POST each event as JSON with a `text` field (Slack/Mattermost incoming webhook)"})
+def watch_run(t, run=None, every=30, stall_after=600, hang_after=1800, notify_cmd=None, webhook=None, ct=None,
+              inventory=None, dry_run=False):
+    """Watch a run until it ends: one line per event, and to a webhook or a command.
+
+    Events: started, stalled, hung, recovered, a known failure in the log (with its runbook), a new
+    evaluation, crashed (with the runbook), finished, stopped; unreachable/reachable when a poll
+    fails or works again. Each poll is one round trip. Webhook and command run on a background
+    thread with retries and backoff: a dead receiver is reported on stderr and never delays the
+    watch. The webhook URL's credentials and tokens are never printed. Exit 0 when the run finished
+    or was stopped, 6 when it crashed; Ctrl-C stops watching (the run goes on).
+    """
+    from dflash_ops import alerting
+
+    alerting.watch(t, run, float(every), float(stall_after),
+                   float(hang_after), webhook=webhook, notify_cmd=notify_cmd)
+
+
+@op_task(fan_out=ROWS, help={"run": "run name (default: the latest run)",
+                            "grace": "seconds to wait after SIGTERM (the run checkpoints) before SIGKILL"})
+def stop(t, run=None, grace=30, ct=None, group=None, inventory=None, dry_run=False):
     """Stop a run: SIGTERM (it checkpoints), SIGKILL after --grace seconds, confirm nothing is left.
 
     Signals the run's whole process group, records "stopped" in the run directory, and checks that
     no process of the run is left and the container's run lock is free.
     """
-    from dflash_ops import jobs, multinode
+    from dflash_ops import jobs
 
-    if fans_out(ct, group):
-        cli.for_each(c, lambda t: multinode.stop_row(t, run, float(grace)), ct, group, inventory, dry_run,
-                     title="stop")
+    return jobs.stop(t, run, grace)
+
+
+@op_task(name="runs", help={"json": "print the container's answer as JSON for scripts",
+                             "stall_after": "call an alive run stalled after this many silent seconds"})
+def list_runs(t, json=False, stall_after=600, ct=None, inventory=None, dry_run=False):
+    """List every run in the container: state, steps, last loss, acceptance, when, size, latest checkpoint.
+
+    One round trip: a helper in the container reads every run directory under paths.runs (newest
+    first) and sums its size on disk.
+    """
+    import json as json_mod
+
+    from dflash_ops import history, terminal
+
+    answer = history.list_runs(t, float(stall_after))
+    if answer is None:
         return
-    t = cli.target(c, ct, inventory, dry_run)
-    result = jobs.stop(t, run, float(grace))
-    if dry_run:
-        return
-    if result.outcome == "notalive":
-        print(f"run {result.run} on {t.container.label} is not running (exit code: {result.exit_code or 'none'})")
+    if json:
+        print(json_mod.dumps(answer, indent=2))
     else:
-        how = "SIGTERM" if result.outcome == "term" else f"SIGKILL after {float(grace):g} s"
-        print(f"run {result.run} on {t.container.label} stopped ({how}, exit code: {result.exit_code or 'none'}); "
-              f"no process left")
+        console = terminal.console()
+        if not console.is_terminal:  # a pipe or a file: no terminal width to fit, keep rows on one line
+            console = terminal.console(width=120)
+        console.print(history.table(answer, t.container.label))
 
-@op_task
-def doctor(c, ct=None, group=None, dry_run=False, inventory=None):
+
+@op_task(help={"keep": "keep this many of the newest runs (at least 1; the alive run is always kept)",
+               "older_than": "remove only runs idle longer than this, e.g. 7d, 12h, 2w",
+               "yes": "remove them (without it: only show what would go and the bytes it would free)"})
+def prune(t, keep=None, older_than=None, yes=False, ct=None, inventory=None, dry_run=False):
+    """Remove old runs and surplus checkpoints; shows what and how much first, acts only with --yes.
+
+    Keeps the --keep newest runs and never touches the alive run. Of the runs it keeps, it removes
+    checkpoints beyond each run's own train.keep_last (never the one checkpoints/latest names) and
+    leftovers of interrupted saves. It holds the runs lock while it deletes, so no run starts or
+    resumes under it. One round trip.
+    """
+    from dflash_ops import history
+
+    if keep is None:
+        raise UsageError("--keep N: how many of the newest runs to keep (at least 1)")
+    answer = history.prune(t, keep, older_than, act=yes)
+    if answer is not None:
+        print(history.describe_prune(answer, t.container.label, acted=yes))
+
+
+@op_task(fan_out=ROWS)
+def doctor(t, ct=None, group=None, dry_run=False, inventory=None):
     """Check the container is ready to train: one line per check, the fix for each that fails.
 
     One round trip gathers everything: container running, GPUs seen by nvidia-smi against the
@@ -249,30 +362,22 @@ def doctor(c, ct=None, group=None, dry_run=False, inventory=None):
     the model directory and its config (a multimodal config's text part), free space in /dev/shm
     and in the runs directory, and the compile caches' size. Exits non-zero if any check fails.
     """
-    from dflash_ops import doctor as doctor_mod, multinode
+    from dflash_ops import doctor as doctor_mod
 
-    if fans_out(ct, group):
-        cli.for_each(c, multinode.doctor_row, ct, group, inventory, dry_run, title="doctor")
-        return
-    doctor_mod.doctor(cli.target(c, ct, inventory, dry_run))
+    return doctor_mod.doctor(t)
 
 
-@op_task(help={"force": "clean even while a run is alive (its compile caches disappear under it)"})
-def clean_cache(c, force=False, ct=None, group=None, dry_run=False, inventory=None):
+@op_task(fan_out=ROWS,
+         help={"force": "clean even while a run is alive (its compile caches disappear under it)"})
+def clean_cache(t, force=False, ct=None, group=None, dry_run=False, inventory=None):
     """Remove the container's compile caches (inductor, triton, torch extensions) and say what was freed.
 
     The directories are the inventory's `paths.caches`. Refused while a run is alive (it holds
     the runs lock and uses the caches) unless --force; the next warm-up fills them again.
     """
-    from dflash_ops import caches, multinode
+    from dflash_ops import caches
 
-    if fans_out(ct, group):
-        cli.for_each(c, lambda t: multinode.clean_cache_row(t, force), ct, group, inventory, dry_run,
-                     title="clean-cache")
-        return
-    freed = caches.clean_cache(cli.target(c, ct, inventory, dry_run), force=force)
-    if not dry_run:
-        print(caches.describe(freed))
+    return caches.clean_cache(t, force=force)
 
 
 # --- the trained drafter: eval, regenerate, metrics, fetch ----------------------------------------
@@ -283,7 +388,7 @@ def clean_cache(c, force=False, ct=None, group=None, dry_run=False, inventory=No
     "num_prompts": "how many held-out prompts (default 16)",
     "max_new_tokens": "longest answer per prompt (default 64)",
     "device": "where the target and drafter run (default: the first target device)"})
-def eval_run(c, run, checkpoint="latest", prompts=None, num_prompts=None, max_new_tokens=None, device=None,
+def eval_run(t, run, checkpoint="latest", prompts=None, num_prompts=None, max_new_tokens=None, device=None,
              ct=None, inventory=None, dry_run=False):
     """Measure a checkpoint with the official dflash inference code: lossless, acceptance, speedup.
 
@@ -297,23 +402,43 @@ def eval_run(c, run, checkpoint="latest", prompts=None, num_prompts=None, max_ne
     """
     from dflash_ops import evaluate
 
-    t = cli.target(c, ct, inventory, dry_run)
     record = evaluate.evaluate(t, run, checkpoint=checkpoint, prompts=prompts, num_prompts=num_prompts,
                                max_new_tokens=max_new_tokens, device=device)
     if record is not None:
-        print(evaluate.describe(record))
+        print(terminal.visible(evaluate.describe(record), newlines=True))
+
+
+@op_task(iterable=["set"], help={
+    "write": "also write the best layout to this NEW file (inventory roles + config placement to merge)",
+    "config": "training config in the container (default: the container's train_config)",
+    "set": "override a config value as training would, e.g. --set train.batch_size=2 (repeatable)"})
+def plan(t, write=None, config=None, set=None, ct=None, inventory=None, dry_run=False):
+    """Measure the target and a drafter step per GPU, then show which layout of the GPUs is fastest.
+
+    Runs plan_layout.py in the container (about a minute, progress shown): the target's forward
+    tokens/s on one device and one drafter worker's step tokens/s on one device, at the configured
+    shapes, through the training code. Then prints every candidate layout of the container's GPUs
+    (k target devices + n-k drafter devices, replicate or split) with its expected pipeline
+    tokens/s, the best one and the configured one. `--write FILE` writes the best layout as a YAML
+    fragment to a new file; your inventory is never edited. `invoke doctor` warns when the configured
+    layout expects more than 30% less than this best.
+    """
+    from dflash_ops import plan as plan_mod
+
+    plan_mod.plan(t, config, set or (), write)
 
 
 @op_task(iterable=["src"], help={
-    "src": "chat JSONL in the container, relative to paths.code (repeatable; default: data/train.jsonl "
-           "and data/heldout.jsonl)",
-    "out_dir": "where the regenerated files go, same file names (default: data/ beside paths.runs)",
+    "src": "chat data in the container, relative to paths.code (repeatable; default: data/train.jsonl "
+           "and data/heldout.jsonl): ShareGPT, OpenAI messages or our rows in .jsonl, .jsonl.gz, .json, "
+           ".parquet, or a directory of them",
+    "out_dir": "where the regenerated files go, as <name>.jsonl (default: data/ beside paths.runs)",
     "max_new_tokens": "longest regenerated answer (default 256)",
     "limit": "only the first N rows of each file",
     "batch_size": "conversations decoded together (default 32)",
     "device": "where the target runs (default: the first target device)",
     "target": "target checkpoint directory in the container (default: paths.model)"})
-def regenerate(c, src=None, out_dir=None, max_new_tokens=None, limit=None, batch_size=None, device=None,
+def regenerate(t, src=None, out_dir=None, max_new_tokens=None, limit=None, batch_size=None, device=None,
                target=None, ct=None, inventory=None, dry_run=False):
     """Rewrite a dataset's assistant turns with the target's own greedy answers, in the container.
 
@@ -325,54 +450,53 @@ def regenerate(c, src=None, out_dir=None, max_new_tokens=None, limit=None, batch
     """
     from dflash_ops import evaluate
 
-    t = cli.target(c, ct, inventory, dry_run)
     for stats in evaluate.regenerate(t, sources=src or (), out_dir=out_dir, max_new_tokens=max_new_tokens,
                                      limit=limit, batch_size=batch_size, device=device, target=target):
-        print(evaluate.describe_regeneration(stats))
+        print(terminal.visible(evaluate.describe_regeneration(stats), newlines=True))
 
 
 @op_task(help={"run": "run name (default: the latest run)",
                "plot": "also write a PNG here: loss, acceptance length, per-slot accuracy, tokens/s",
                "n": "how many of the last logged steps the table shows (0: all)"})
-def metrics(c, run=None, plot=None, n=20, ct=None, inventory=None, dry_run=False):
+def metrics(t, run=None, plot=None, n=20, ct=None, inventory=None, dry_run=False):
     """Show a run's recent metrics as a table, and plot the whole run with --plot FILE.png.
 
     Reads metrics.jsonl and evals.jsonl from the container in one round trip. The table: step, loss,
     held-out loss, acceptance length, accuracy of slots 1-4, tokens/s, learning rate, memory. The plot
     adds held-out points, the dflash evaluations (`invoke eval`) and the checkpoints.
     """
-    from rich.console import Console
-
     from dflash_ops import metrics as metrics_mod
 
-    m = metrics_mod.fetch(cli.target(c, ct, inventory, dry_run), run)
+    m = metrics_mod.fetch(t, run)
     if m is None:
         return
-    Console().print(metrics_mod.table(m, int(n)))
+    terminal.console().print(metrics_mod.table(m, int(n)))
     summary = metrics_mod.eval_summary(m)
     if summary:
-        print(summary)
+        print(terminal.visible(summary, newlines=True))
     if plot:
         print(f"plot: {metrics_mod.plot(m, plot)}")
 
 
-@op_task(help={"run": "run name", "to": "local directory to create (DIR/config.json, DIR/model.safetensors)",
-               "checkpoint": "latest or step-N", "force": "replace DIR if it exists",
-               "with_state": "also bring training_state.pt (optimizer state, about twice the weights)"})
-def fetch(c, run, to, checkpoint="latest", force=False, with_state=False, ct=None, inventory=None,
-          dry_run=False):
+@op_task(help={"run": "run name", "to": "local directory (DIR/config.json, DIR/model.safetensors)",
+               "checkpoint": "latest or step-N", "force": "replace the checkpoint's files in a non-empty DIR",
+               "with_state": "also bring training_state.pt (optimizer state, about twice the weights)",
+               "timeout": "seconds for the whole transfer (default: 300 plus the size at 5 MiB/s)"})
+def fetch(t, run, to, checkpoint="latest", force=False, with_state=False, timeout=0.0, ct=None,
+          inventory=None, dry_run=False):
     """Bring a checkpoint back from the container, verified by sha256 computed in the container.
 
-    The files travel container -> host (`pct pull`) -> here (SFTP) into a temporary directory next to
-    DIR, which becomes DIR only when every file's sha256 matches; DIR then loads with
-    `DFlashDraftModel.from_pretrained(DIR)`. Refuses to replace an existing DIR unless --force.
+    The files travel container -> host (`pct pull`, checked on the host) -> here (SFTP, streamed) into
+    a temporary directory inside DIR; each file is renamed into DIR only when its size and sha256
+    match the container's. DIR then loads with `DFlashDraftModel.from_pretrained(DIR)`. Names and the
+    checkpoint directory are never taken from the container. Refuses a non-empty DIR unless --force.
     """
     from dflash_ops import fetch as fetch_mod
 
-    fetched = fetch_mod.fetch(cli.target(c, ct, inventory, dry_run), run, to, checkpoint, bool(force),
-                              bool(with_state))
+    fetched = fetch_mod.fetch(t, run, to, checkpoint, bool(force),
+                              bool(with_state), timeout=timeout)
     if fetched is not None:
-        print(f"{fetched.to}: {len(fetched.files)} files from {fetched.checkpoint}, "
+        print(f"{fetched.to}: {len(fetched.files)} files from {terminal.visible(fetched.checkpoint)}, "
               f"{fetched.total_bytes / 2**20:.1f} MiB, sha256 verified")
 
 
@@ -381,5 +505,6 @@ sandbox_ns.add_task(sandbox_up, "up")
 sandbox_ns.add_task(sandbox_down, "down")
 sandbox_ns.add_task(sandbox_status, "status")
 
-ns = Collection(trust_host, sandbox_ns, deploy, warmup, train, logs, status, stop, doctor, clean_cache, eval_run, regenerate, metrics, fetch)
+ns = Collection(trust_host, sandbox_ns, deploy, warmup, train, logs, status, watch_run, list_runs, prune,
+                stop, doctor, clean_cache, eval_run, regenerate, metrics, fetch, plan)
 ns.configure({"dflash": {"inventory": None}})

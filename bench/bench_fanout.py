@@ -43,7 +43,8 @@ def invoke(box, checkout: Path, *args: str) -> float:
                        text=True, timeout=1800)
     elapsed = time.perf_counter() - start
     if r.returncode != 0:
-        raise SystemExit(f"bench: invoke {' '.join(args)} failed ({r.returncode}):\n{r.stdout[-1500:]}{r.stderr[-800:]}")
+        raise SystemExit(f"bench: invoke {' '.join(args)} failed "
+                         f"({r.returncode}):\n{r.stdout[-1500:]}{r.stderr[-800:]}")
     return elapsed
 
 

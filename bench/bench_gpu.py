@@ -20,7 +20,6 @@ import tempfile
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
 
 import torch  # noqa: E402
-
 from common import Results, time_fn  # noqa: E402
 
 SECTIONS = ["probe", "matmul", "attention", "drafter", "target"]  # + "pipeline" (issue 6)
@@ -82,6 +81,9 @@ def main() -> int:
     parser.add_argument("--drafter-variants", default="plain,fast")
     parser.add_argument("--drafter-27b-variants", default="plain,fast")
     parser.add_argument("--no-target-compile", action="store_true")
+    parser.add_argument("--target-kinds", default="8b", help="target classes: 8b,27b")
+    parser.add_argument("--target-batches", default="4,1")
+    parser.add_argument("--target-variants", default="", help="reference,fast eager,project (default: all)")
     parser.add_argument("--pipeline-kind", default="4b", help="target class: 4b or 8b")
     parser.add_argument("--pipeline-target-devices", default="cuda:0")
     parser.add_argument("--pipeline-drafter-devices", default="cuda:0,cuda:0,cuda:0")
@@ -122,8 +124,13 @@ def main() -> int:
                         cache_dir, ceiling)
     if "target" in only:
         import target
-        target.run(results, device, args.smoke, ceiling, batches=(4, 1),
-                   compile_layers=not args.no_target_compile)
+        for kind in args.target_kinds.split(","):
+            target.run(results, device, args.smoke, ceiling,
+                       batches=tuple(int(b) for b in args.target_batches.split(",")),
+                       compile_layers=not args.no_target_compile, kind=kind,
+                       variants=[v for v in args.target_variants.split(",") if v] or None)
+            if device != "cpu":
+                torch.cuda.empty_cache()
     if "drafter" in only and args.drafter_27b_variants:
         import drafter
         drafter.run_one(results, device, drafter.shape("27b", args.smoke),

@@ -47,8 +47,8 @@ class Drafter:
     """One drafter thread's model and batch: the real DFlashDrafter on its device."""
 
     def __init__(self, index: int, device: str, sizes: dict, attention) -> None:
-        import torch
         import dflash_model as dm
+        import torch
 
         self.torch, self.device, self.attention = torch, torch.device(device), attention
         self.backward = self.device.type != "cpu"  # torch 2.13: no flex backward on CPU

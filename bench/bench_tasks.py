@@ -7,13 +7,17 @@ Run from the repository root, as root (the embedded host needs it). It brings up
 (or reuses --state DIR, which then keeps the container's venv for the next run), runs the real CLI
 (`.venv/bin/invoke ... --inventory <sandbox> --ct 200`) from a frozen copy of this checkout, deploys
 once (venv, tiny target), trains a 2-step run so that status and logs have something to read, then
-times each task --repeat times and prints medians. Not a test: nothing here asserts a time.
+times each task --repeat times and prints medians, with the load average around the timed runs.
+The "floor" row is what every task pays before its own work (interpreter, Invoke and the transport
+imported, one connection, the baseline's command): no task can be faster. Not a test: nothing here
+asserts a time.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -41,13 +45,28 @@ class Bench:
         r = subprocess.run(argv, cwd=self.checkout, capture_output=True, text=True, timeout=900)
         elapsed = time.perf_counter() - start
         if check and r.returncode != 0:
-            raise SystemExit(f"bench: invoke {' '.join(args)} failed ({r.returncode}): {r.stderr.strip()[-500:]}")
+            raise SystemExit(f"bench: invoke {' '.join(args)} failed ({r.returncode}): "
+                             f"{r.stderr.strip()[-500:]}")
         return elapsed, r.stdout
 
     def bare_ssh(self) -> float:
         argv = self.box.ssh_argv(f"{self.box.pct} exec {CT} -- true")
         start = time.perf_counter()
         subprocess.run(argv, check=True, capture_output=True, timeout=60)
+        return time.perf_counter() - start
+
+    def floor(self) -> float:
+        """What any task pays before its own work: a fresh interpreter importing Invoke (the entry
+        point) and the CLI's plumbing (dflash_ops.cli: inventory, transport with paramiko and fabric,
+        and what it does at exit), the inventory read, one connection, and the baseline's command as
+        one round trip."""
+        code = ("import sys, invoke, dflash_ops.cli; from dflash_ops.inventory import load_inventory; "
+                "from dflash_ops.transport import HostSession; "
+                "host = load_inventory(sys.argv[1]).container(sys.argv[2]).host; "
+                "HostSession(host).run(sys.argv[3])")
+        argv = [sys.executable, "-c", code, str(self.box.inventory), CT, f"{self.box.pct} exec {CT} -- true"]
+        start = time.perf_counter()
+        subprocess.run(argv, cwd=self.checkout, check=True, capture_output=True, timeout=60)
         return time.perf_counter() - start
 
 
@@ -93,6 +112,7 @@ def main() -> None:
             return elapsed
 
         tasks = {
+            "floor (see Bench.floor)": lambda i: b.floor(),
             "deploy (no change)": deploy_no_change,
             "deploy (one file changed)": deploy_one_file,
             "doctor": lambda i: b.invoke("doctor")[0],
@@ -102,6 +122,7 @@ def main() -> None:
             "clean-cache": lambda i: b.invoke("clean-cache")[0],
             "deploy --dry-run": lambda i: b.invoke("deploy", "--dry-run")[0],
         }
+        load_before = os.getloadavg()
         baseline = [b.bare_ssh() for _ in range(args.repeat)]
         times = {}
         for name, fn in tasks.items():
@@ -115,13 +136,16 @@ def main() -> None:
         base = statistics.median(baseline)
         print(f"\nbaseline: ssh root@127.0.0.1 '{box.pct} exec {CT} -- true' (OpenSSH, pinned known_hosts): "
               f"median {base * 1000:.0f} ms of {len(baseline)}")
+        before, after = (" ".join(f"{x:.2f}" for x in load) for load in (load_before, os.getloadavg()))
+        print(f"load average (1, 5, 15 min) before the timed runs: {before}, after: {after}")
         print(f"{'task':<28} {'median s':>9} {'x baseline':>11}   (each {args.repeat} runs of the real CLI)")
         for name, values in times.items():
             med = statistics.median(values)
             print(f"{name:<28} {med:>9.2f} {med / base:>11.1f}")
         for name, numbers in bytes_seen.items():
-            print(f"bytes sent, deploy {name}: file content {numbers['bytes_sent']} B in {numbers['files_sent']} "
-                  f"file(s), command lines {numbers['line_bytes']} B, {numbers['round_trips']} round trip(s)")
+            print(f"bytes sent, deploy {name}: file content {numbers['bytes_sent']} B in "
+                  f"{numbers['files_sent']} file(s), command lines {numbers['line_bytes']} B, "
+                  f"{numbers['round_trips']} round trip(s)")
     finally:
         if not args.state:
             sandbox.down(state, purge=True)

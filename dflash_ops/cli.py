@@ -1,4 +1,4 @@
-"""Invocation-wide plumbing for tasks.py: shared options, one session per host, errors -> exit codes.
+"""Invocation-wide plumbing for tasks.py: shared options, targets and fan-out, errors -> exit codes.
 
 `invoke warmup train --ct 200`: Invoke gives `--ct` to `train` only; `Executor` (named in the
 project's invoke.yaml) sees every call of the invocation first and hands the one value of each
@@ -9,20 +9,25 @@ from __future__ import annotations
 
 import atexit
 import functools
+import gc
 import inspect
 import os
 import sys
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import invoke
 from invoke import Exit
-from rich.console import Console
-from rich.table import Table
 
-from .errors import ConnectError, DflashOpsError, FanOutFailed, UsageError
-from .inventory import Container, Inventory, load_inventory
-from .transport import HostSession
+from . import fanout, terminal
+from .errors import DflashOpsError, ExitStatus, UsageError
+from .target import Target, resolve, resolve_one
+
+ROWS = "rows"  # op_task(fan_out=ROWS): several containers give one row each
+
+# Python's last garbage collections at exit walk every object the imports made (Invoke, paramiko,
+# fabric): 0.3-0.5 s of a one-round-trip task on a loaded 2-core host (bench/RESULTS.md, issue 19).
+# Frozen, they are left to the process's end. The atexit handlers registered before this one (the
+# sessions closed, logging flushed) run after it; stdout and stderr are flushed as always.
+atexit.register(gc.freeze)
 
 # Options that mean the same thing for every task of one invocation, with their "not given" value.
 SHARED_OPTIONS = {"ct": None, "inventory": None, "dry_run": False, "group": None, "run": None}
@@ -46,7 +51,7 @@ def unify_shared_options(calls) -> dict:
                 given.setdefault(str(value), call.called_as or call.task.name)
         if len(given) > 1:
             shown = ", ".join(f"--{name.replace('_', '-')} {v} ({t})" for v, t in given.items())
-            raise Exit(f"error: conflicting values in one invocation: {shown}", code=2)
+            raise Exit(f"error: conflicting values in one invocation: {shown}", code=ExitStatus.USAGE)
         if given:
             value = next(v for call in calls if (v := call.kwargs.get(name, unset)) not in (unset, None))
             chosen[name] = value
@@ -65,47 +70,6 @@ class Executor(invoke.Executor):
         return calls
 
 
-# --- one session per host for the whole invocation ---------------------------------------------
-_SESSIONS: dict[tuple, HostSession] = {}
-
-
-def session_for(inv: Inventory, container: Container, dry_run: bool = False) -> HostSession:
-    host = container.host
-    key = (inv.path, host.name, bool(dry_run))
-    if key not in _SESSIONS:
-        jump = inv.hosts[host.jump] if host.jump else None
-        secrets = [v for c in inv.containers.values() for v in c.secret_values()]
-        _SESSIONS[key] = HostSession(host, jump=jump, dry_run=dry_run, secrets=secrets)
-    return _SESSIONS[key]
-
-
-def session_stats() -> dict:
-    return {name: {"connections": s.connections, "round_trips": s.round_trips}
-            for (_, name, _), s in _SESSIONS.items()}
-
-
-@atexit.register
-def _close_sessions() -> None:
-    # DFLASH_OPS_STATS=1: how many SSH connections and round trips this invocation made, per host.
-    if os.environ.get("DFLASH_OPS_STATS") and _SESSIONS:
-        for name, counts in session_stats().items():
-            print(f"ssh stats: {name}: {counts['connections']} connection(s), {counts['round_trips']} round trip(s)",
-                  file=sys.stderr)
-    for s in _SESSIONS.values():
-        s.close()
-    _SESSIONS.clear()
-
-
-@dataclass
-class Target:
-    """What a task works on: the inventory, one container, and the session to its host."""
-
-    inventory: Inventory
-    container: Container
-    session: HostSession
-    dry_run: bool
-
-
 def inventory_path(c, inventory: str | None) -> str | None:
     if inventory:
         return inventory
@@ -116,73 +80,63 @@ def inventory_path(c, inventory: str | None) -> str | None:
 
 
 def target(c, ct=None, inventory=None, dry_run=False) -> Target:
-    inv = load_inventory(inventory_path(c, inventory))
-    containers = inv.select(ct)
-    if len(containers) != 1:
-        raise UsageError("this task works on one container; give a single --ct")
-    container = containers[0]
-    return Target(inv, container, session_for(inv, container, dry_run), dry_run)
+    return resolve_one(inventory_path(c, inventory), ct, dry_run)
 
 
 def targets(c, ct=None, group=None, inventory=None, dry_run=False) -> list[Target]:
-    inv = load_inventory(inventory_path(c, inventory))
-    return [Target(inv, ct_, session_for(inv, ct_, dry_run), dry_run) for ct_ in inv.select(ct, group)]
+    return resolve(inventory_path(c, inventory), ct, group, dry_run)
 
 
-@dataclass
-class Outcome:
-    """One container's result in a fan-out."""
+def show(result) -> None:
+    """Print what one container's task returned (its `describe()`: text or a rich renderable), then
+    raise its `error` if it has one (doctor: the table first, then exit 1)."""
+    if result is None:
+        return
+    text = result.describe()
+    if isinstance(text, str):
+        if text:
+            print(terminal.visible(text, newlines=True))  # results quote the container
+    elif text is not None:
+        console = terminal.console()
+        if not console.is_terminal:  # logs and pipes: one line per row, not wrapped at 80 columns
+            console = terminal.console(width=240)
+        console.print(text)
+    error = getattr(result, "error", None)
+    if error is not None:
+        raise error
 
-    label: str
-    ok: bool
-    detail: str
 
+def on_targets(fn, fan_out):
+    """The task body `fn(t, **options)` run on the containers --ct/--group select.
 
-def for_each(c, action, ct=None, group=None, inventory=None, dry_run=False, title="result"):
-    """Run `action(target) -> str | None` on every selected container; one row per container.
-
-    One container (no --group): plain behaviour, errors propagate as for any task. Several:
-    hosts run in parallel (one thread and one SSH connection per host), containers of one host
-    in order; a failing container or host never hides the others' rows; the exit code says
-    whether all succeeded.
+    One container (no --group): the body's result is shown (`describe()`), nothing in a dry run.
+    Several: `fan_out` decides, once for every task: None refuses, ROWS runs the body on each
+    (hosts in parallel) and shows one row per container (`row()`), a function takes the targets
+    and the options (train: one run over many nodes).
     """
-    chosen = targets(c, ct, group, inventory, dry_run)
-    if len(chosen) == 1 and not group:
-        action(chosen[0])
-        return [Outcome(chosen[0].container.label, True, "")]
-    by_host: dict[str, list[Target]] = {}
-    for t in chosen:
-        by_host.setdefault(t.container.host.name, []).append(t)
+    @functools.wraps(fn)
+    def run(c, **options):
+        dry_run = bool(options.get("dry_run"))
+        chosen = resolve(inventory_path(c, options.get("inventory")), options.get("ct"), options.get("group"),
+                         dry_run)
+        if len(chosen) == 1 and not chosen[0].grouped:
+            result = fn(chosen[0], **options)
+            if not dry_run:
+                show(result)
+            return
+        if fan_out is None:
+            raise UsageError("this task works on one container; give a single --ct")
+        if fan_out is not ROWS:
+            fan_out(chosen, **options)
+            return
 
-    def run_host(host_targets):
-        rows, host_down = [], None
-        for t in host_targets:
-            if host_down is not None:
-                rows.append(Outcome(t.container.label, False, host_down))
-                continue
-            try:
-                rows.append(Outcome(t.container.label, True, action(t) or "ok"))
-            except ConnectError as exc:
-                host_down = str(exc)
-                rows.append(Outcome(t.container.label, False, host_down))
-            except DflashOpsError as exc:
-                rows.append(Outcome(t.container.label, False, str(exc)))
-            except Exception as exc:  # one container's bug must not hide the other rows
-                rows.append(Outcome(t.container.label, False, f"{type(exc).__name__}: {exc}"))
-        return rows
+        def row(t):
+            result = fn(t, **options)
+            return "dry run" if dry_run or result is None else result.row()
 
-    with ThreadPoolExecutor(max_workers=len(by_host)) as pool:
-        outcomes = [row for rows in pool.map(run_host, by_host.values()) for row in rows]
-    table = Table(title=title)
-    for column in ("container", "ok", "detail"):
-        table.add_column(column)
-    for o in outcomes:
-        table.add_row(o.label, "[green]yes[/]" if o.ok else "[red]NO[/]", o.detail)
-    Console().print(table)
-    failed = [o.label for o in outcomes if not o.ok]
-    if failed:
-        raise FanOutFailed(f"{len(failed)} of {len(outcomes)} containers failed: {', '.join(failed)}")
-    return outcomes
+        fanout.for_each(chosen, row, title=fn.__name__.replace("_", "-"))
+
+    return run
 
 
 def reports_errors(fn):
@@ -193,20 +147,22 @@ def reports_errors(fn):
         try:
             return fn(*args, **kwargs)
         except DflashOpsError as exc:
-            raise Exit(f"error: {exc}", code=exc.exit_code) from None
+            # Messages quote remote stderr and container files: shown visibly, on one line.
+            raise Exit(f"error: {terminal.visible(str(exc))}", code=exc.exit_status) from None
         except KeyboardInterrupt:
-            raise Exit("interrupted", code=130) from None
+            raise Exit("interrupted", code=ExitStatus.INTERRUPTED) from None
         except BrokenPipeError:
             # `invoke status | head -3`: the reader left; stop quietly, as other CLI tools do.
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            raise Exit(code=141) from None
+            raise Exit(code=ExitStatus.BROKEN_PIPE) from None
 
     return wrapper
 
 
 # Number-valued flags whose default is None (so Invoke cannot tell they are numbers).
 NUMERIC_FLAGS = {"max_steps": int, "rdzv_port": int, "num_prompts": int, "max_new_tokens": int, "limit": int,
-                 "batch_size": int, "hosts": int, "grace": float, "stall_after": float, "interval": float}
+                 "batch_size": int, "hosts": int, "grace": float, "stall_after": float, "interval": float,
+                 "keep": int, "hang_after": float, "every": float}
 
 
 def parse_numbers(fn):
@@ -242,13 +198,58 @@ def parse_numbers(fn):
     return wrapper
 
 
-def op_task(*args, help=None, **kwargs):
-    """`@task` with the shared options' help text, number parsing and error reporting applied."""
+# Short flags. `-h` after a task name is Invoke's help (`invoke deploy -h`), so no option takes it;
+# an option of several tasks has the same letter in all of them (these, where Invoke's automatic
+# letters would differ); every other option gets Invoke's automatic letter.
+SHORT_FLAGS = {"ct": "c", "group": "g", "inventory": "i", "dry_run": "d", "run": "r", "device": "v"}
+HELP_FLAG = "h"
+
+
+class OpTask(invoke.Task):
+    """Invoke's Task with the short-flag rule above."""
+
+    def arg_opts(self, name, default, taken_names):
+        fixed = {SHORT_FLAGS[p] for p in self.argspec(self.body).parameters if p in SHORT_FLAGS}
+        opts = super().arg_opts(name, default, set(taken_names) | fixed | {HELP_FLAG})
+        if name in SHORT_FLAGS and self.auto_shortflags:
+            opts["names"] = [opts["names"][0], SHORT_FLAGS[name]]
+        return opts
+
+
+def requires_values(fn):
+    """A parameter without a default is a required flag (not an Invoke positional, which would take
+    `-h` or `--help` as its value): missing, it is a one-line usage error naming the flag."""
+    sig = inspect.signature(fn)
+    required = [name for name, p in list(sig.parameters.items())[1:] if p.default is p.empty]
+    if not required:
+        return fn
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        given = sig.bind_partial(*args, **kwargs).arguments
+        missing = [name for name in required if given.get(name) is None]
+        if missing:
+            flags = ", ".join("--" + name.replace("_", "-") for name in missing)
+            raise UsageError(f"{flags} required")
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def op_task(*args, help=None, fan_out=None, **kwargs):
+    """`@task` with the shared options' help text, number parsing and error reporting applied.
+
+    A task whose first parameter is `t` (instead of Invoke's context) works on containers: it is
+    called with one Target and returns a result offering `describe()` and `row()`; `fan_out` says
+    what several containers mean (see `on_targets`).
+    """
     def decorate(fn):
         params = inspect.signature(fn).parameters
         merged = {k: v for k, v in COMMON_HELP.items() if k in params}
         merged.update(help or {})
-        return invoke.task(reports_errors(parse_numbers(fn)), help=merged, **kwargs)
+        body = on_targets(fn, fan_out) if next(iter(params), None) == "t" else fn
+        return invoke.task(reports_errors(requires_values(parse_numbers(body))), help=merged, klass=OpTask,
+                           positional=[], **kwargs)
 
     if args and callable(args[0]):
         return decorate(args[0])

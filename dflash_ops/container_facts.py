@@ -4,25 +4,40 @@ This file is sent as the text of `python -c` to the container's own interpreter 
 so it uses the standard library only and runs on Python >= 3.8. Its one argument is a JSON object;
 it prints one JSON object. Parsing lives on the local side (dflash_ops.doctor / deploy / caches).
 
-    python -c "$(cat container_facts.py)" facts '{"code": ..., "want": [...]}'
-    python -c "$(cat container_facts.py)" clean-caches '{"caches": {...}, "lock": ..., "force": false}'
+    python -c "$(cat container_runs.py container_facts.py)" facts '{"code": ..., "want": [...]}'
 
-"A run is alive" is jobs.py's fact: some process holds `<paths.runs>/.lock` (flock).
+For the "runs" and "caches" facts it travels after container_runs.py's definitions (facts.py joins
+them), whose `alive_run` says which run holds the runs lock and whose `dir_usage` measures a cache:
+one implementation each. Alone (deploy's probe) it imports only what a no-change deploy needs:
+subprocess and shutil wait until torch or nvidia-smi is asked for.
 """
 
-import fcntl
-import hashlib
 import json
 import os
-import shutil
-import subprocess
 import sys
+
+# the interpreter's own sha256: hashlib would first load OpenSSL's libcrypto (slower than the hashing here)
+try:
+    from _sha256 import sha256
+except ImportError:  # Python >= 3.12 names it _sha2; a build without either has hashlib's
+    try:
+        from _sha2 import sha256
+    except ImportError:
+        from hashlib import sha256
 
 MANIFEST = ".dflash-manifest.json"
 REQUIREMENTS_STAMP = ".dflash-requirements.sha256"
+TORCH_RECORD = ".dflash-torch-check.json"  # the last passing torch check and what it depended on
 # Run by the venv's interpreter: a broken venv or torch shows up as a non-zero exit with its stderr.
-TORCH_CHECK = ("import json, torch; print(json.dumps({'torch': torch.__version__, 'cuda': torch.version.cuda, "
-               "'available': torch.cuda.is_available(), 'count': torch.cuda.device_count()}))")
+try:  # shipped with container_runs.py's definitions before this text (facts.py, runs or caches asked)
+    alive_run, dir_usage  # noqa: B018, F821
+except NameError:
+    if __name__ != "__main__":  # imported on the local side; shipped alone, those facts are not asked
+        from dflash_ops.container_runs import alive_run, dir_usage
+
+TORCH_CHECK = ("import json, torch; print(json.dumps({'torch': torch.__version__, 'cuda': "
+               "torch.version.cuda, 'available': torch.cuda.is_available(), 'count': "
+               "torch.cuda.device_count()}))")
 
 
 def tree_hashes(root):
@@ -36,7 +51,7 @@ def tree_hashes(root):
             if rel == MANIFEST or name.endswith(".pyc") or not os.path.isfile(path):
                 continue
             with open(path, "rb") as f:
-                out[rel] = hashlib.sha256(f.read()).hexdigest()
+                out[rel] = sha256(f.read()).hexdigest()
     return out
 
 
@@ -53,7 +68,55 @@ def code_fact(code):
     return fact
 
 
-def venv_fact(venv, env):
+def gpu_set(env):
+    """What torch's view of the GPUs depends on besides the venv: the device nodes, the driver and
+    the visibility variables. Read from files and the environment: no torch, no nvidia-smi."""
+    try:
+        nodes = sorted(n for n in os.listdir("/dev") if n.startswith("nvidia"))
+    except OSError:
+        nodes = []
+    try:
+        with open("/proc/driver/nvidia/version") as f:
+            driver = f.readline().strip()
+    except OSError:
+        driver = None
+    visible = {k: env[k] for k in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES") if k in env}
+    return {"devices": nodes, "driver": driver, "visible": visible}
+
+
+def read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def run_torch_check(python, env, record, key):
+    """Import torch in the venv; a passing check is recorded under `key`, a failing one removes the record."""
+    import subprocess
+
+    try:
+        r = subprocess.run([python, "-c", TORCH_CHECK], capture_output=True, env=env, timeout=300, text=True)
+        check = {"rc": r.returncode, "out": r.stdout.strip()[-2000:], "err": r.stderr.strip()[-600:]}
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        check = {"rc": -1, "out": "", "err": str(exc)}
+    try:
+        if check["rc"] == 0:
+            tmp = f"{record}.{os.getpid()}"
+            with open(tmp, "w") as f:
+                json.dump({"key": key, "torch": check}, f, sort_keys=True)
+            os.replace(tmp, record)
+        elif os.path.exists(record):
+            os.unlink(record)
+    except OSError:
+        pass  # a read-only venv still answers; the next call checks again
+    return check
+
+
+def venv_fact(venv, env, torch_check="always"):
+    """The venv's interpreter, requirements stamp and torch check. torch_check "recorded": reuse the
+    last passing check while the requirements stamp and the GPU set are the same (no torch import)."""
     python = os.path.join(venv, "bin", "python")
     fact = {"python": os.path.exists(python), "requirements": None, "torch": None}
     try:
@@ -62,12 +125,14 @@ def venv_fact(venv, env):
     except OSError:
         pass
     if fact["python"]:
-        try:
-            r = subprocess.run([python, "-c", TORCH_CHECK], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               env=env, timeout=300, universal_newlines=True)
-            fact["torch"] = {"rc": r.returncode, "out": r.stdout.strip()[-2000:], "err": r.stderr.strip()[-600:]}
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            fact["torch"] = {"rc": -1, "out": "", "err": str(exc)}
+        key = {"requirements": fact["requirements"], "gpus": gpu_set(env)}
+        record = os.path.join(venv, TORCH_RECORD)
+        recorded = read_json(record) if torch_check == "recorded" else None
+        if (isinstance(recorded, dict) and recorded.get("key") == key
+                and isinstance(recorded.get("torch"), dict)):
+            fact["torch"] = dict(recorded["torch"], recorded=True)
+        else:
+            fact["torch"] = run_torch_check(python, env, record, key)
     return fact
 
 
@@ -84,17 +149,21 @@ def model_fact(model):
                         multimodal="text_config" in cfg, hidden_size=text.get("hidden_size"),
                         layers=text.get("num_hidden_layers"))
         except (OSError, ValueError, AttributeError) as exc:
-            fact["error"] = "%s: %s" % (type(exc).__name__, exc)
+            fact["error"] = f"{type(exc).__name__}: {exc}"
     return fact
 
 
 def gpus_fact():
+    import shutil
+    import subprocess
+
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return {"smi": False}
     try:
-        r = subprocess.run([smi, "--query-gpu=index,name,memory.total,driver_version", "--format=csv,noheader"],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60, universal_newlines=True)
+        r = subprocess.run([smi, "--query-gpu=index,name,memory.total,driver_version",
+                            "--format=csv,noheader"],
+                           capture_output=True, timeout=60, text=True)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return {"smi": True, "rc": -1, "err": str(exc), "gpus": []}
     gpus = [[c.strip() for c in line.split(",")] for line in r.stdout.splitlines() if line.strip()]
@@ -110,49 +179,6 @@ def free_space(path):
     return {"path": path, "free": st.f_bavail * st.f_frsize, "total": st.f_blocks * st.f_frsize}
 
 
-def dir_usage(path):
-    """Apparent size and number of files under path (no symlinks followed)."""
-    size = files = 0
-    if not os.path.isdir(path):
-        return {"exists": False, "bytes": 0, "files": 0}
-    for base, dirs, names in os.walk(path):
-        for name in names:
-            try:
-                size += os.lstat(os.path.join(base, name)).st_size
-                files += 1
-            except OSError:
-                pass
-    return {"exists": True, "bytes": size, "files": files}
-
-
-def holds_lock(fd):
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except OSError:
-        return False
-
-
-def current_run(current):
-    try:
-        with open(current) as f:
-            return f.read().strip() or "?"
-    except OSError:
-        return "?"
-
-
-def alive_run(lock, current):
-    """The alive run's name, or None. A run is alive while its processes hold the runs lock (jobs.py)."""
-    try:
-        fd = os.open(lock, os.O_RDONLY)
-    except OSError:
-        return None  # no lock file: no run was ever launched here
-    try:
-        return None if holds_lock(fd) else current_run(current)
-    finally:
-        os.close(fd)  # releases the lock if we took it
-
-
 def facts(args):
     want = set(args.get("want", ()))
     env = dict(os.environ)
@@ -160,7 +186,7 @@ def facts(args):
     if "code" in want:
         out["code"] = code_fact(args["code"])
     if "venv" in want:
-        out["venv"] = venv_fact(args["venv"], env)
+        out["venv"] = venv_fact(args["venv"], env, args.get("torch_check", "always"))
     if "model" in want:
         out["model"] = model_fact(args["model"])
     if "gpus" in want:
@@ -168,32 +194,16 @@ def facts(args):
     if "space" in want:
         out["space"] = {"shm": free_space("/dev/shm"), "runs": free_space(args["runs"])}
     if "caches" in want:
-        out["caches"] = {name: dict(dir_usage(path), path=path) for name, path in sorted(args["caches"].items())}
+        out["caches"] = {name: dict(dir_usage(path), path=path)
+                         for name, path in sorted(args["caches"].items())}
     if "runs" in want:
-        out["alive"] = alive_run(args["lock"], args["current"])
+        out["alive"] = alive_run(args["runs"])
+    if "plan" in want:  # the last `invoke plan` measurement (plan_layout.py --save), for doctor
+        out["plan"] = read_json(os.path.join(args["runs"], "plan.json"))
     return out
-
-
-def clean_caches(args):
-    """Remove the caches while holding the runs lock, so no run can start meanwhile; refuse if one is alive."""
-    fd = None
-    if os.path.isdir(os.path.dirname(args["lock"])):
-        fd = os.open(args["lock"], os.O_CREAT | os.O_RDWR, 0o644)
-    alive = None if fd is None or holds_lock(fd) else current_run(args["current"])
-    if alive and not args.get("force"):
-        return {"refused": alive}
-    freed = {}
-    for name, path in sorted(args["caches"].items()):
-        usage = dir_usage(path)
-        if usage["exists"]:
-            shutil.rmtree(path, ignore_errors=True)
-        usage["left"] = os.path.exists(path)
-        usage["path"] = path
-        freed[name] = usage
-    return {"freed": freed, "alive": alive}
 
 
 if __name__ == "__main__":
     verb, payload = sys.argv[1], json.loads(sys.argv[2])
-    result = {"facts": facts, "clean-caches": clean_caches}[verb](payload)
+    result = {"facts": facts}[verb](payload)
     sys.stdout.write(json.dumps(result) + "\n")

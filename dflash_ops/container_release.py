@@ -42,7 +42,7 @@ def safe_members(tar):
     for member in tar.getmembers():
         name = os.path.normpath(member.name)
         if name.startswith(("/", "..")) or not (member.isfile() or member.isdir()):
-            raise SystemExit("deploy: refusing tar member %r" % member.name)
+            raise SystemExit(f"deploy: refusing tar member {member.name!r}")
         yield member
 
 
@@ -60,7 +60,7 @@ def stage(current, tarball, stage_dir):
     with open(os.path.join(stage_dir, MANIFEST)) as f:
         manifest = json.load(f)
     wanted = set(manifest["files"]) | {MANIFEST}
-    for base, dirs, names in os.walk(stage_dir, topdown=False):
+    for base, _dirs, names in os.walk(stage_dir, topdown=False):
         for name in names:
             rel = os.path.relpath(os.path.join(base, name), stage_dir)
             if rel not in wanted:
@@ -69,7 +69,7 @@ def stage(current, tarball, stage_dir):
             os.rmdir(base)
     for rel, digest in manifest["files"].items():
         if sha256(os.path.join(stage_dir, rel)) != digest:
-            raise SystemExit("deploy: %s does not match its hash after staging; previous release kept" % rel)
+            raise SystemExit(f"deploy: {rel} does not match its hash after staging; previous release kept")
 
 
 def swap(code, release_dir):
@@ -108,7 +108,7 @@ def install(code, releases, args):
             shutil.rmtree(os.path.join(releases, name), ignore_errors=True)
     if os.path.isdir(code) and not os.path.islink(code):
         # A code directory from before dflash-ops managed it: keep it as a release, then link.
-        legacy = os.path.join(releases, "legacy-%d" % time.time())
+        legacy = os.path.join(releases, f"legacy-{int(time.time())}")
         os.rename(code, legacy)
         os.symlink(legacy, code)
     current = os.path.realpath(code) if os.path.isdir(code) else None
@@ -116,10 +116,10 @@ def install(code, releases, args):
     if not complete(release_dir, args["tree"]):
         if os.path.realpath(release_dir) == current:
             # The live release was edited in place: stage beside it, swap, let pruning remove it later.
-            release_dir = "%s.%d" % (release_dir, os.getpid())
+            release_dir = f"{release_dir}.{os.getpid()}"
         elif os.path.lexists(release_dir):
             shutil.rmtree(release_dir)
-        stage_dir = os.path.join(releases, ".stage-%s-%d" % (args["release"], os.getpid()))
+        stage_dir = os.path.join(releases, f".stage-{args['release']}-{os.getpid()}")
         stage(current, args["tarball"], stage_dir)
         os.rename(stage_dir, release_dir)
     swap(code, release_dir)

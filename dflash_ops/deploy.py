@@ -4,7 +4,8 @@ Round trips: one to read what the container has (file hashes computed there, ven
 when files changed, one SFTP put of a tar of the changed files and one host line that pushes it into
 the container and stages + swaps a release there (container_release.py); one for pip when the pinned
 requirements changed (streamed), then one to re-check torch; one to create the tiny target if asked.
-A repeat with nothing changed is one round trip and sends no file content.
+A repeat with nothing changed is one round trip, sends no file content and imports no torch: the
+first round trip reuses the venv's recorded torch check (container_facts.venv_fact).
 """
 
 from __future__ import annotations
@@ -18,15 +19,15 @@ import shutil
 import subprocess
 import tarfile
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping
 
-from . import commands, facts
+from . import commands, facts, terminal, transport
 from .container_facts import MANIFEST, REQUIREMENTS_STAMP  # the container side's names, one definition
-from .cli import Target
-from .errors import DflashOpsError
+from .errors import DeployError
 from .inventory import Container
+from .target import Target
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PAYLOAD = "remote_scripts"
@@ -41,10 +42,6 @@ VENV_SCRIPT = (f'set -e; py=$1 venv=$2 req=$3 want=$4; stamp="$venv/{REQUIREMENT
                '"$py" -m venv --clear "$venv"; fi; rm -f "$stamp"; echo "venv: pip install -r $req"; '
                '"$venv/bin/python" -m pip install --disable-pip-version-check -r "$req"; '
                'printf "%s\\n" "$want" > "$stamp.tmp"; mv -f "$stamp.tmp" "$stamp"')
-
-
-class DeployError(DflashOpsError):
-    exit_code = 5
 
 
 # --- the local tree (pure apart from reading files) ---------------------------------------------
@@ -123,7 +120,8 @@ def make_plan(local: Mapping[str, str], code_fact: dict | None) -> Plan:
     tree = tree_hash(local)
     changed = tuple(sorted(rel for rel, digest in local.items() if remote.get(rel) != digest))
     deleted = tuple(sorted(set(remote) - set(local)))
-    up_to_date = (not changed and not deleted and bool(code_fact.get("link")) and code_fact.get("tree") == tree)
+    up_to_date = (not changed and not deleted and bool(code_fact.get("link"))
+                  and code_fact.get("tree") == tree)
     return Plan(tree, changed, deleted, up_to_date)
 
 
@@ -160,12 +158,15 @@ def releases_dir(container: Container) -> str:
     return container.paths.code.rstrip("/") + ".releases"
 
 
-def stage_line(container: Container, host_tmp: str, plan: Plan) -> str:
-    """Push the tar into the container, stage + swap the release there, always delete the host copy."""
+def stage_line(container: Container, host_tmp: str, plan: Plan, data: bytes) -> str:
+    """Push the tar into the container (checked there: size and sha256), stage + swap the release there,
+    always delete the host copy."""
     ct_tmp = f"/tmp/{os.path.basename(host_tmp)}"
     payload = {"code": container.paths.code.rstrip("/"), "releases": releases_dir(container),
                "tarball": ct_tmp, "release": plan.release, "tree": plan.tree, "keep": KEEP_RELEASES}
-    push = commands.pct_transfer("push", container.ctid, host_tmp, ct_tmp, pct=container.host.pct)
+    push = commands.pct_push_verified(container.ctid, host_tmp, ct_tmp, len(data),
+                                      hashlib.sha256(data).hexdigest(),
+                                      pct=container.host.pct_command)
     stage = facts.script_line(container, CONTAINER_RELEASE, None, payload)
     return f"{push} && {stage}; rc=$?; rm -f -- {commands.quote(host_tmp)}; exit $rc"
 
@@ -174,16 +175,17 @@ def venv_line(container: Container, want: str) -> str:
     argv = commands.sh_script(VENV_SCRIPT, container.python, container.paths.venv,
                               f"{container.paths.code}/{REQUIREMENTS}", want)
     return commands.pct_exec(container.ctid, argv, env=container.run_env(container.pip_env),
-                             pct=container.host.pct)
+                             pct=container.host.pct_command)
 
 
 def tiny_target_line(container: Container) -> str:
-    argv = [container.venv_python, f"{container.paths.code}/make_tiny_target.py", "--out", container.paths.model]
+    argv = [container.venv_python, f"{container.paths.code}/make_tiny_target.py", "--out",
+            container.paths.model]
     if container.tiny_target_fit_steps:
         # A fitted tiny target answers the synthetic prompts sensibly, so `invoke regenerate` makes real data.
         argv += ["--fit-steps", str(container.tiny_target_fit_steps)]
     return commands.pct_exec(container.ctid, argv, env=container.run_env(), cwd=container.paths.code,
-                             pct=container.host.pct)
+                             pct=container.host.pct_command)
 
 
 # --- the task -----------------------------------------------------------------------------------
@@ -192,8 +194,10 @@ def ship(t: Target, plan: Plan, data: bytes, host_tmp: str | None = None) -> str
     """One SFTP put of the tar to a host temp file, then one host line that installs the release."""
     host_tmp = host_tmp or f"/tmp/dflash-deploy-{t.container.ctid}-{secrets.token_hex(6)}.tar.gz"
     t.session.put_bytes(data, host_tmp)
-    line = stage_line(t.container, host_tmp, plan)
-    t.session.run_in(t.container, line)
+    line = stage_line(t.container, host_tmp, plan, data)
+    what = f"the release tarball ({len(data)} bytes)"
+    t.session.run_in(t.container, line,
+                     explain=lambda r: transport.push_failure(t.container, r, what, len(data)))
     return line
 
 
@@ -213,11 +217,23 @@ class DeployReport:
     round_trips: int = 0
     messages: list[str] = field(default_factory=list)
 
+    def describe(self) -> str:
+        return describe(self)
 
-def deploy(t: Target, root: Path = REPO_ROOT, echo: Callable[[str], None] | None = None) -> DeployReport:
-    """Bring the container's code, venv and (tiny) target model up to date with the local tree."""
+    def row(self) -> str:
+        return describe(self).removeprefix("deploy: ")
+
+
+def deploy(t: Target, root: Path = REPO_ROOT, echo: Callable[[str], None] | None = None,
+           check: bool = False) -> DeployReport:
+    """Bring the container's code, venv and (tiny) target model up to date with the local tree.
+
+    torch is imported in the container only when the venv's requirements or the container's GPU set
+    changed since the last passing check (recorded in the venv), or when `check` asks for it.
+    """
     ct, session = t.container, t.session
-    say = (lambda msg: None) if t.dry_run else (echo or (lambda msg: print(msg, flush=True)))
+    say = (lambda msg: None) if t.dry_run else (
+        echo or (lambda msg: print(terminal.visible(msg, newlines=True), flush=True)))
     trips_before = session.round_trips
     local = local_tree(root)
     if REQUIREMENTS not in local:
@@ -230,7 +246,9 @@ def deploy(t: Target, root: Path = REPO_ROOT, echo: Callable[[str], None] | None
         sent_lines.append(line)
         return session.run_in(ct, line, **kwargs)
 
-    probe = facts.parse_json_line(run(facts.facts_line(ct, ("code", "venv", "model"))).stdout, "deploy")
+    torch_check = "always" if check else "recorded"
+    probe = facts.parse_json_line(run(facts.facts_line(ct, ("code", "venv", "model"), torch_check)).stdout,
+                                  "deploy")
     plan = make_plan({rel: f.sha256 for rel, f in local.items()}, probe.get("code"))
     report = DeployReport(release=plan.release, up_to_date=plan.up_to_date)
 
@@ -250,7 +268,8 @@ def deploy(t: Target, root: Path = REPO_ROOT, echo: Callable[[str], None] | None
             f"(requirements {want_req[:12]} changed); pip's output follows")
         run(venv_line(ct, want_req), stream=not t.dry_run)
         report.venv_updated = True
-        venv = facts.parse_json_line(run(facts.facts_line(ct, ("venv",))).stdout, "deploy").get("venv", {})
+        venv = facts.parse_json_line(run(facts.facts_line(ct, ("venv",), torch_check)).stdout,
+                                     "deploy").get("venv", {})
     else:
         say(f"venv: up to date ({ct.paths.venv}, requirements {want_req[:12]})")
 
@@ -260,7 +279,9 @@ def deploy(t: Target, root: Path = REPO_ROOT, echo: Callable[[str], None] | None
             raise DeployError(f"{ct.label}: {report.torch.error} in {ct.paths.venv}; "
                               f"re-run deploy, or remove {ct.paths.venv} to rebuild it")
         ok, report.gpu_message = facts.gpu_verdict(ct, report.torch.gpus)
-        say(f"torch {report.torch.version} (CUDA {report.torch.cuda or 'none'}): {report.gpu_message}")
+        how = ("recorded check, same requirements and GPUs; --check re-runs it" if report.torch.recorded
+               else "checked")
+        say(f"torch {report.torch.version} (CUDA {report.torch.cuda or 'none'}, {how}): {report.gpu_message}")
         if not ok:
             raise DeployError(f"{ct.label}: {report.gpu_message}")
 
@@ -276,8 +297,8 @@ def deploy(t: Target, root: Path = REPO_ROOT, echo: Callable[[str], None] | None
 
 def describe(report: DeployReport) -> str:
     """The closing line, also parsed by the tests and the benchmark."""
-    return (f"deploy: release {report.release}: files_sent={report.files_sent} bytes_sent={report.bytes_sent} "
-            f"line_bytes={report.line_bytes} round_trips={report.round_trips}"
+    return (f"deploy: release {report.release}: files_sent={report.files_sent} "
+            f"bytes_sent={report.bytes_sent} line_bytes={report.line_bytes} round_trips={report.round_trips}"
             f"{' (up to date)' if report.up_to_date else ''}")
 
 

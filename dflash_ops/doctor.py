@@ -6,24 +6,23 @@ pure, so it is unit-tested on recorded facts.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
-from rich.console import Console
 from rich.table import Table
 
-from . import deploy, facts
-from .cli import Target
-from .errors import ConnectError, ContainerError, ContainerMissing, DflashOpsError
+from . import deploy, facts, plan, terminal
+from .errors import ConnectError, ContainerError, ContainerMissing, DflashOpsError, ExitStatus, SudoRefused
 from .inventory import Container
+from .target import Target
 
 MIN_FREE_SHM = 256 << 20    # NCCL and data-loader workers use /dev/shm beside the model kept there
 MIN_FREE_RUNS = 1 << 30     # room for logs and at least a small checkpoint
 
 
-class DoctorFailed(DflashOpsError):
-    exit_code = 1
+class DoctorFailed(DflashOpsError, exit_status=ExitStatus.CHECK_FAILED):
+    """At least one readiness check failed; the table names each one with its fix."""
 
 
 @dataclass(frozen=True)
@@ -59,26 +58,28 @@ def gpu_check(ct: Container, fact: dict) -> Check:
                      "install the NVIDIA userspace driver in the container, the same version as the host's")
     if fact.get("rc") != 0:
         return Check("GPUs (nvidia-smi)", False, f"nvidia-smi failed: {fact.get('err') or fact.get('rc')}",
-                     "the container's userspace driver must match the host's kernel driver; check /dev/nvidia* "
-                     "passthrough in the container's LXC config")
+                     "the container's userspace driver must match the host's kernel driver; check "
+                     "/dev/nvidia* passthrough in the container's LXC config")
     gpus = fact.get("gpus") or []
     names = sorted({g[1] for g in gpus if len(g) > 1})
     driver = next((g[3] for g in gpus if len(g) > 3), "?")
     detail = f"{len(gpus)} visible ({', '.join(names) or '-'}; driver {driver}), the roles need {need}"
     if len(gpus) < need:
         return Check("GPUs (nvidia-smi)", False, detail,
-                     "pass the GPUs into the container (lxc.cgroup2.devices.allow + lxc.mount.entry /dev/nvidia*)"
-                     " or fix roles in the inventory")
+                     "pass the GPUs into the container (lxc.cgroup2.devices.allow + lxc.mount.entry "
+                     "/dev/nvidia*) or fix roles in the inventory")
     return Check("GPUs (nvidia-smi)", True, detail)
 
 
 def torch_check(ct: Container, venv_fact: dict) -> Check:
     info = facts.torch_info(venv_fact)
     if not info.ok:
-        return Check("torch / CUDA", False, info.error, "run `invoke deploy` (it rebuilds the venv if needed)")
+        return Check("torch / CUDA", False, info.error,
+                     "run `invoke deploy` (it rebuilds the venv if needed)")
     ok, message = facts.gpu_verdict(ct, info.gpus)
     return Check("torch / CUDA", ok, f"torch {info.version}, CUDA {info.cuda or 'none'}: {message}",
-                 "" if ok else "a torch build for this CUDA and the GPUs passed through; then `invoke deploy`")
+                 "" if ok
+                 else "a torch build for this CUDA and the GPUs passed through; then `invoke deploy`")
 
 
 def venv_check(ct: Container, fact: dict, local: Local) -> Check:
@@ -91,7 +92,8 @@ def venv_check(ct: Container, fact: dict, local: Local) -> Check:
         stamp = (fact.get("requirements") or "none")[:12]
         return Check("venv", False, f"{ct.paths.venv} was built from other requirements ({stamp}, local "
                      f"{local.requirements[:12]})", "run `invoke deploy` to refresh it")
-    return Check("venv", True, f"{ct.paths.venv}: python runs, requirements {local.requirements[:12]} current")
+    return Check("venv", True,
+                 f"{ct.paths.venv}: python runs, requirements {local.requirements[:12]} current")
 
 
 def code_check(ct: Container, fact: dict, local: Local) -> Check:
@@ -126,8 +128,8 @@ def model_check(ct: Container, fact: dict) -> Check:
 
 
 SPACE_FIXES = {
-    "free /dev/shm": "remove stale models or files in /dev/shm (on the host: `pct exec <id> -- ls -la /dev/shm`), "
-                     "or raise the container's /dev/shm size; see docs/runbooks/disk-full.md",
+    "free /dev/shm": "remove stale models or files in /dev/shm (on the host: `pct exec <id> -- ls -la "
+                     "/dev/shm`), or raise the container's /dev/shm size; see docs/runbooks/disk-full.md",
     "free runs dir": "remove old runs or checkpoints under the runs directory, or grow the mount; "
                      "see docs/runbooks/disk-full.md",
 }
@@ -148,6 +150,20 @@ def cache_check(caches: dict) -> Check:
     return Check("compile caches", True, "; ".join(parts) or "none configured")
 
 
+def layout_check(record: dict | None, target_gpus: int | None = None) -> Check:
+    """The configured layout against the last `invoke plan` measurement: a warning, never a failure."""
+    if not record or int(record.get("gpus") or 0) < 2:
+        return Check("layout", True, "not measured: `invoke plan` measures the layouts of the GPUs")
+    configured = record["configured"]
+    warning = plan.lagging(plan.measured_from(record), target_gpus or len(configured["target_devices"]),
+                           configured["placement"])
+    if warning:
+        return Check("layout", True, f"WARNING: {warning}",
+                     "`invoke plan` shows why; `invoke plan --write FILE` writes the best layout")
+    return Check("layout", True,
+                 f"within {100 - 100 * plan.LAGGING:.0f}% of the best layout `invoke plan` measured")
+
+
 def checks(ct: Container, found: dict, local: Local) -> list[Check]:
     """Verdicts from one facts answer (the container answered, so it is running)."""
     run = found.get("alive")
@@ -162,6 +178,7 @@ def checks(ct: Container, found: dict, local: Local) -> list[Check]:
         space_check("free runs dir", (found.get("space") or {}).get("runs") or {}, MIN_FREE_RUNS),
         cache_check(found.get("caches") or {}),
         Check("runs", True, f"run {run!r} is alive" if run else "no run alive"),
+        layout_check(found.get("plan"), len(ct.roles.target) or None),
     ]
 
 
@@ -173,11 +190,15 @@ def gather(t: Target, root: Path = deploy.REPO_ROOT) -> list[Check]:
     local = local_state(ct, root)
     try:
         result = t.session.run_in(ct, facts.facts_line(ct, facts.ALL_FACTS))
+    except SudoRefused as exc:
+        return [Check("host reachable", False, str(exc), "allow pct in sudoers without a password "
+                      "(docs/runbooks/pct-host.md)")]
     except ConnectError as exc:
         return [Check("host reachable", False, str(exc), "check the host's address, key and known_hosts "
                       "in the inventory")]
     except ContainerError as exc:
-        fix = (f"`pct list` on {ct.host.name} shows the ids: fix the inventory" if isinstance(exc, ContainerMissing)
+        fix = (f"`pct list` on {ct.host.name} shows the ids: fix the inventory"
+               if isinstance(exc, ContainerMissing)
                else f"`pct start {ct.ctid}` on {ct.host.name}")
         return [Check("host reachable", True, f"{ct.host.user}@{ct.host.address}:{ct.host.port}"),
                 Check("container running", False, str(exc), fix)]
@@ -188,26 +209,38 @@ def gather(t: Target, root: Path = deploy.REPO_ROOT) -> list[Check]:
             *checks(ct, found, local)]
 
 
-def render(ct: Container, results: list[Check], console: Console | None = None) -> None:
-    table = Table(title=f"doctor: {ct.label}", show_lines=False)
-    for column in ("", "check", "result", "fix"):
-        table.add_column(column, overflow="fold")
-    for c in results:
-        mark = "[green]ok[/green]" if c.ok else "[bold red]FAIL[/bold red]"
-        table.add_row(mark, c.name, c.detail, c.fix)
-    if console is None:
-        console = Console()
-        if not console.is_terminal:  # logs and pipes: one line per check, not wrapped at 80 columns
-            console = Console(width=240)
-    console.print(table)
+@dataclass
+class Checkup:
+    """Every check of one container: a table when it is the only one, a row in a fan-out."""
+
+    container: Container
+    checks: list[Check]
+
+    @property
+    def error(self) -> DoctorFailed | None:
+        failed = [c.name for c in self.checks if not c.ok]
+        if not failed:
+            return None
+        return DoctorFailed(f"doctor: {len(failed)} check(s) failed on {self.container.label}: "
+                            f"{', '.join(failed)}")
+
+    def describe(self) -> Table:
+        table = Table(title=f"doctor: {self.container.label}", show_lines=False)
+        for column in ("", "check", "result", "fix"):
+            table.add_column(column, overflow="fold")
+        for c in self.checks:
+            mark = "[green]ok[/green]" if c.ok else "[bold red]FAIL[/bold red]"
+            # details quote the container (the model's config.json, versions, paths): shown, never markup
+            table.add_row(mark, terminal.markup(c.name), terminal.markup(c.detail), terminal.markup(c.fix))
+        return table
+
+    def row(self) -> str:
+        failed = [c for c in self.checks if not c.ok]
+        if failed:
+            fixes = "; ".join(f"{c.name}: {c.detail}" + (f" -> {c.fix}" if c.fix else "") for c in failed)
+            raise DoctorFailed(f"{len(failed)} of {len(self.checks)} checks failed: {fixes}")
+        return f"all {len(self.checks)} checks passed"
 
 
-def doctor(t: Target, root: Path = deploy.REPO_ROOT, console: Console | None = None) -> list[Check]:
-    results = gather(t, root)
-    if t.dry_run:
-        return results
-    render(t.container, results, console)
-    failed = [c.name for c in results if not c.ok]
-    if failed:
-        raise DoctorFailed(f"doctor: {len(failed)} check(s) failed on {t.container.label}: {', '.join(failed)}")
-    return results
+def doctor(t: Target, root: Path = deploy.REPO_ROOT) -> Checkup:
+    return Checkup(t.container, gather(t, root))

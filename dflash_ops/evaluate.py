@@ -11,10 +11,10 @@ import io
 import json
 import posixpath
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
-from . import jobs
-from .errors import DflashOpsError, RemoteCommandFailed, UsageError
+from . import jobs, terminal
+from .errors import DflashOpsError, ExitStatus, RemoteCommandFailed, UsageError
 from .inventory import Container
 
 EVAL_SCRIPT = "eval_dflash.py"
@@ -22,28 +22,30 @@ REGENERATE_SCRIPT = "regenerate_data.py"
 RESULT = "RESULT "
 EXIT_NOT_LOSSLESS, EXIT_BAD_INPUT = 3, 2  # eval_dflash.py's exit codes
 DEFAULT_SOURCES = ("data/train.jsonl", "data/heldout.jsonl")  # relative to paths.code
+# A script's own one-line error (`eval_dflash: error: ...`): the task's error line carries it, so the
+# streamed stderr leaves it out (bad input is one line, not the same line twice).
+SCRIPT_ERRORS = tuple(f"{posixpath.splitext(script)[0]}: error: "
+                      for script in (EVAL_SCRIPT, REGENERATE_SCRIPT))
 
 
-class NotLossless(DflashOpsError):
+class NotLossless(DflashOpsError, exit_status=ExitStatus.NOT_LOSSLESS):
     """Speculative decoding changed the target's greedy output: the drafter/target pairing is broken."""
-
-    exit_code = 8
 
 
 class _ShowLines(io.StringIO):
-    """A stream that prints what the script says, except the machine-readable RESULT lines and the
-    weight-loading progress bars."""
+    """A stream that prints what the script says, except the machine-readable RESULT lines, the
+    weight-loading progress bars and lines starting with one of `hide`."""
 
-    def __init__(self, echo=print):
+    def __init__(self, echo=print, hide: tuple[str, ...] = ()):
         super().__init__()
-        self._echo, self._pending = echo, ""
+        self._echo, self._pending, self._hide = echo, "", hide
 
     def write(self, text: str) -> int:
         self._pending += text
         *lines, self._pending = self._pending.split("\n")
         for line in lines:
-            if not line.startswith(RESULT) and "Loading weights" not in line:
-                self._echo(line)
+            if not line.startswith((RESULT, *self._hide)) and "Loading weights" not in line:
+                self._echo(terminal.visible(line))
         return len(text)
 
 
@@ -74,15 +76,25 @@ def eval_argv(ct: Container, run: str, checkpoint: str = "latest", prompts: str 
             *_option("device", device or _first_device(ct))]
 
 
+def _jsonl_name(source: str) -> str:
+    """The output's name: the source's, as JSONL (a.parquet, a.jsonl.gz, a/ -> a.jsonl)."""
+    name = posixpath.basename(source.rstrip("/"))
+    for suffix in (".jsonl.gz", ".parquet", ".jsonl", ".json"):
+        if name.endswith(suffix):
+            return name[: -len(suffix)] + ".jsonl"
+    return name + ".jsonl"
+
+
 def regenerate_argv(ct: Container, sources: Sequence[str] = (), out_dir: str | None = None,
                     max_new_tokens: int | None = None, limit: int | None = None,
                     batch_size: int | None = None, device: str | None = None,
                     dtype: str | None = None, target: str | None = None) -> tuple[list[str], list[str]]:
-    """Pure: (argv, output paths). Each source (relative paths: under paths.code) is written to
-    out_dir/<its file name>; out_dir defaults to `data/` beside paths.runs; target to paths.model."""
+    """Pure: (argv, output paths). Each source (relative paths: under paths.code; any format the
+    payload reads, a directory of shards too) is written to out_dir/<its name>.jsonl; out_dir defaults to
+    `data/` beside paths.runs; target to paths.model."""
     sources = [s if s.startswith("/") else f"{ct.paths.code}/{s}" for s in (sources or DEFAULT_SOURCES)]
     out_dir = out_dir or posixpath.join(posixpath.dirname(ct.paths.runs.rstrip("/")), "data")
-    outputs = [posixpath.join(out_dir, posixpath.basename(s)) for s in sources]
+    outputs = [posixpath.join(out_dir, _jsonl_name(s)) for s in sources]
     if len(set(outputs)) != len(outputs):
         raise UsageError(f"--src files must have different names (they all go to {out_dir}/)")
     device = device or _first_device(ct)
@@ -90,7 +102,7 @@ def regenerate_argv(ct: Container, sources: Sequence[str] = (), out_dir: str | N
     argv = [ct.venv_python, f"{ct.paths.code}/{REGENERATE_SCRIPT}", f"--target={target or ct.paths.model}",
             f"--device={device}", f"--dtype={dtype}", *_option("max-new-tokens", max_new_tokens),
             *_option("limit", limit), *_option("batch-size", batch_size)]
-    for source, output in zip(sources, outputs):
+    for source, output in zip(sources, outputs, strict=True):
         argv += [f"--in={source}", f"--out={output}"]
     return argv, outputs
 
@@ -103,12 +115,13 @@ def results_of(stdout: str) -> list[dict]:
 def _run_script(t, argv: list[str], what: str, echo=print):
     ct = t.container
     result = t.session.exec(ct, argv, env=ct.run_env(), cwd=ct.paths.code, check=False,
-                            out_stream=_ShowLines(echo), err_stream=_ShowLines(_to_stderr))
+                            out_stream=_ShowLines(echo), err_stream=_ShowLines(_to_stderr, SCRIPT_ERRORS))
     if t.dry_run:
         return result, []
     found = results_of(result.stdout)
     if result.exited not in (0, EXIT_NOT_LOSSLESS) or not found:
-        last = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
+        said = result.stderr.strip().splitlines() or ["(no output)"]
+        last = next((line for line in reversed(said) if line.startswith(SCRIPT_ERRORS)), said[-1])
         hint = " (run `invoke deploy` first?)" if "No such file" in result.stderr else ""
         if "No module named" in result.stderr:
             hint = " (the container's venv predates remote_scripts/requirements.txt: run `invoke deploy`)"
@@ -159,16 +172,17 @@ def describe(record: dict) -> str:
     return "\n".join([
         f"checkpoint          {record['checkpoint']}",
         f"target              {record['target']} on {record['device']} ({record['dtype']})",
-        f"prompts             {record['prompts']} (<= {record['max_new_tokens']} new tokens each, "
+        f"prompts             {record['prompts']} held-out (<= {record['max_new_tokens']} new tokens each, "
         f"{record['new_tokens']} in all)",
-        f"lossless            " + ("yes" if record["lossless"] else
+        "lossless            " + ("yes" if record["lossless"] else
                                      f"NO: prompts {record['mismatched_prompts']} differ from token "
                                      f"{record.get('first_divergence')} on"),
         f"acceptance length   {record['acceptance_length']:.2f} tokens per verification "
         f"(block size {record['block_size']})",
         f"tokens per forward  {record['tokens_per_target_forward']:.2f} "
-        f"({record['target_forwards']['spec']} target forwards vs {record['target_forwards']['plain']} plain)",
+        f"({record['target_forwards']['spec']} target forwards vs "
+        f"{record['target_forwards']['plain']} plain)",
         f"speedup             {record['speedup']:.2f}x wall clock ({record['plain_tokens_per_s']:.1f} -> "
         f"{record['spec_tokens_per_s']:.1f} tokens/s)",
-        f"accepted per step   " + " ".join(f"{n}:{c}" for n, c in enumerate(hist, 1) if c),
+        "accepted per step   " + " ".join(f"{n}:{c}" for n, c in enumerate(hist, 1) if c),
     ])

@@ -8,19 +8,21 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
 
 import yaml
 
+from . import commands, localfiles
 from .errors import InventoryError
 
 DEFAULT_INVENTORY = "inventory/production.yaml"
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 # Whole words of a variable name: HF_TOKEN and DB_PASSWORD are secrets, TOKENIZERS_PARALLELISM is not.
-SECRET_NAME = re.compile(r"(^|_)(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|PRIVATE_KEY)(_|$)", re.IGNORECASE)
+SECRET_NAME = re.compile(r"(^|_)(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|PRIVATE_KEY)(_|$)",
+                         re.IGNORECASE)
 MIN_CTID, MAX_CTID = 100, 999_999_999  # Proxmox VMIDs
 
 
@@ -35,10 +37,16 @@ class Host:
     jump: str | None = None
     node: str | None = None
     pct: str = "pct"
+    become: str | None = None  # "sudo": pct runs as `sudo -n pct` for a user who is not root
 
     @property
     def node_name(self) -> str:
         return self.node or self.name
+
+    @property
+    def pct_command(self) -> list[str]:
+        """The argv that starts pct on this host (commands.pct_argv)."""
+        return commands.pct_argv(self.pct, self.become)
 
 
 @dataclass(frozen=True)
@@ -233,17 +241,20 @@ class _Reader:
         out = {}
         for name, val in value.items():
             if not isinstance(name, str) or not ENV_NAME.match(name):
-                self.fail(f"{key}.{name}", "malformed environment variable name (want [A-Za-z_][A-Za-z0-9_]*)")
+                self.fail(f"{key}.{name}",
+                          "malformed environment variable name (want [A-Za-z_][A-Za-z0-9_]*)")
             if not isinstance(val, str):
-                self.fail(f"{key}.{name}", f"value must be a string (quote it in YAML), got {type(val).__name__}")
+                self.fail(f"{key}.{name}",
+                          f"value must be a string (quote it in YAML), got {type(val).__name__}")
             if "\x00" in val:
                 self.fail(f"{key}.{name}", "value must not contain a NUL byte")
             out[name] = val
         return out
 
 
-HOST_KEYS = {"address", "port", "user", "key", "known_hosts", "jump", "node", "pct"}
-CONTAINER_KEYS = {"host", "name", "roles", "python", "tiny_target", "tiny_target_fit_steps", "paths", "train_config", "env",
+HOST_KEYS = {"address", "port", "user", "key", "known_hosts", "jump", "node", "pct", "become"}
+CONTAINER_KEYS = {"host", "name", "roles", "python", "tiny_target", "tiny_target_fit_steps", "paths",
+                  "train_config", "env",
                   "secret_env", "pip_env", "rdzv_address"}
 PATH_KEYS = {"venv", "code", "runs", "model", "data", "caches"}
 CACHE_KEYS = {"inductor", "triton", "torch_extensions"}
@@ -289,12 +300,21 @@ def _host(r: _Reader, name, raw, base: Path) -> Host:
         jump=r.text(raw.get("jump"), f"{key}.jump", optional=True),
         node=r.text(raw.get("node"), f"{key}.node", optional=True),
         pct=r.text(raw.get("pct", "pct"), f"{key}.pct"),
+        become=_become(r, raw.get("become"), f"{key}.become"),
     )
+
+
+def _become(r: _Reader, raw, key: str) -> str | None:
+    if raw is not None and raw not in commands.BECOME:
+        r.fail(key, f"must be one of {', '.join(commands.BECOME)} (or left out when the user is root), "
+                    f"got {raw!r}")
+    return raw
 
 
 def _address(r: _Reader, raw, key: str, *, optional=False) -> str | None:
     address = r.text(raw, key, optional=optional)
-    if address is not None and (not address or address.startswith("-") or any(ch.isspace() for ch in address)):
+    if address is not None and (not address or address.startswith("-")
+                                or any(ch.isspace() for ch in address)):
         r.fail(key, f"not a host name or address: {address!r}")
     return address
 
@@ -343,7 +363,8 @@ def _container(r: _Reader, raw_id, raw, hosts: Mapping[str, Host]) -> Container:
     if host_name not in hosts:
         r.fail(f"{key}.host", f"no host named {host_name!r} under hosts")
     secret_env = raw.get("secret_env", [])
-    if not isinstance(secret_env, list) or not all(isinstance(s, str) and ENV_NAME.match(s) for s in secret_env):
+    if not isinstance(secret_env, list) or not all(isinstance(s, str) and ENV_NAME.match(s)
+                                                   for s in secret_env):
         r.fail(f"{key}.secret_env", "must be a list of environment variable names")
     tiny = raw.get("tiny_target", False)
     if not isinstance(tiny, bool):
@@ -410,16 +431,18 @@ def load_inventory(path: str | os.PathLike | None = None) -> Inventory:
     """Read an inventory file; `None` means `$INVOKE_DFLASH_INVENTORY` or the production default."""
     path = str(path or os.environ.get("INVOKE_DFLASH_INVENTORY") or DEFAULT_INVENTORY)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = localfiles.read_regular(path, localfiles.INVENTORY_MAX, "inventory").decode("utf-8")
     except FileNotFoundError:
         hint = " (run `invoke sandbox.up` to create it)" if "sandbox" in Path(path).name else ""
         raise InventoryError(f"{path}: inventory file not found{hint}") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise InventoryError(f"{path}: cannot read the inventory: {exc}") from None
     try:
-        data = yaml.safe_load(text)
+        data = localfiles.load_yaml(text, path)  # duplicate keys and alias bombs refused
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}" if mark else "?"
         raise InventoryError(f"{path}: {where}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    except RecursionError:
+        raise InventoryError(f"{path}: the YAML is nested too deeply") from None
     return parse_inventory(data, path)

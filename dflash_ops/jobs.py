@@ -13,14 +13,15 @@ A run lives in `<paths.runs>/<name>/`:
     started, ended   epoch seconds; exit_code: `0`, `N` or `signal N`, written when the process ends
     stopped          written by `invoke stop` (requested, then `term` or `kill` + time)
 
-One run at a time per container: the wrapper holds an exclusive `flock` on `<paths.runs>/.lock`
-for its whole life (and its children inherit it), so "a run is alive" is exactly "someone holds the
-lock exclusively" (a shared probe fails), the kernel releases it however the run dies, and two
-launches at the same moment cannot both get it. `<paths.runs>/.current` names the run that last
-took it. A warm-up holds the lock shared: no run starts during it, and it starts during no run.
-Anything else that must not overlap a run (clean-cache) can hold the lock exclusively meanwhile.
+One run at a time per container: the run's processes hold an exclusive `flock` on
+`<paths.runs>/.lock` for their whole life (the launch takes it and hands it to the wrapper), so "a
+run is alive" is exactly "someone holds the lock exclusively", the kernel releases it however the
+run dies, and two launches at the same moment cannot both get it. `<paths.runs>/.current` names the
+run that last took it. A warm-up holds the lock shared: no run starts during it, and it starts
+during no run. Anything else that must not overlap a run (clean-cache) holds it exclusively meanwhile.
 
-Every script here is a constant; user values reach it only as positional arguments.
+The container side of all this is container_runs.py (launch, wait, stop, warmup verbs): this module
+builds their JSON arguments (pure) and turns their JSON answers into results or one-line errors.
 """
 
 from __future__ import annotations
@@ -31,11 +32,12 @@ import json
 import re
 import socket
 import sys
-from dataclasses import dataclass
-from typing import Sequence
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
-from . import commands
-from .errors import RemoteCommandFailed, RunStateError, UsageError
+from . import commands, facts, signatures, terminal
+from .errors import PreflightFailed, RemoteCommandFailed, RunStateError, UsageError
 from .inventory import SECRET_NAME, Container
 
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -45,120 +47,10 @@ CURRENT = ".current"
 MANIFEST = ".dflash-manifest.json"  # written by deploy into paths.code
 TRAIN_SCRIPT = "train_dflash.py"
 WARMUP_SCRIPT_NAME = "warmup_compile.py"
+PREFLIGHT_SCRIPT = "preflight.py"
 LAUNCH_SETTLE_S = 2  # the process must still be alive this long after it started
-EXIT_BUSY, EXIT_DIED, EXIT_NOT_DEPLOYED, EXIT_NO_CONFIG, EXIT_NO_RUN, EXIT_LEFTOVER = 75, 76, 77, 78, 3, 80
-
-# Shell function shared by the scripts below: true while a process of run $2 holds the runs lock.
-RUN_ALIVE_FN = r'''
-run_alive() {
-  [ "$(cat "$1/.current" 2>/dev/null)" = "$2" ] || return 1
-  flock -n -s -E 99 "$1/.lock" true 2>/dev/null
-  [ $? -eq 99 ]
-}
-'''
-
-# $1 = runs dir. Prints the name of the alive run, or nothing.
-ALIVE_RUN_SCRIPT = RUN_ALIVE_FN + r'''
-name=$(cat "$1/.current" 2>/dev/null) || exit 0
-if run_alive "$1" "$name"; then printf '%s\n' "$name"; fi
-exit 0
-'''
-
-# The wrapper (run.sh): runs the training argv, records pid, exit code or signal. $1 = run dir.
-WRAPPER_SCRIPT = r'''# dflash-ops run wrapper: $1 = run dir, then the training argv.
-dir=$1; shift
-echo $$ > "$dir/pgid"
-date +%s > "$dir/started"
-trap : TERM INT HUP
-"$@" </dev/null >>"$dir/console.log" &
-child=$!
-echo "$child" > "$dir/pid.tmp" && mv -f "$dir/pid.tmp" "$dir/pid"
-while :; do
-  wait "$child"; rc=$?
-  kill -0 "$child" 2>/dev/null || break
-done
-if [ "$rc" -gt 128 ]; then code="signal $((rc - 128))"; else code=$rc; fi
-date +%s > "$dir/ended"
-printf '%s\n' "$code" > "$dir/exit_code.tmp" && mv -f "$dir/exit_code.tmp" "$dir/exit_code"
-echo "dflash-ops: training process $child ended: exit $code"
-'''
-
-# One round trip: check the payload, take the lock (or report the alive run), record, detach, verify.
-# $1 runs  $2 name  $3 config  $4 manifest  $5 settle seconds  $6 launch.json  $7 env text
-# $8 wrapper text, then the training argv.
-LAUNCH_SCRIPT = r'''
-runs=$1 name=$2 config=$3 manifest=$4 settle=$5 launch=$6 envtext=$7 wrapper=$8
-shift 8
-dir=$runs/$name
-for f in "$1" "$2"; do
-  [ -e "$f" ] || { echo "dflash: $f is missing in the container" >&2; exit 77; }
-done
-[ -f "$config" ] || { echo "dflash: config $config not found in the container" >&2; exit 78; }
-mkdir -p -- "$runs" || exit 79
-exec 9>>"$runs/.lock"
-if ! flock -w 2 9; then
-  if flock -n -s "$runs/.lock" true; then echo "busy-warmup"; else echo "busy $(cat "$runs/.current" 2>/dev/null)"; fi
-  exit 75
-fi
-mkdir -p -- "$dir" || exit 79
-rm -f -- "$dir/exit_code" "$dir/stopped" "$dir/pid" "$dir/pgid" "$dir/ended"
-# A full disk must not turn into an empty run.sh that "exits at once" without a word.
-nospace() { echo "dflash: cannot write the run directory $dir ($(df -h --output=avail "$dir" | tail -n 1 | tr -d ' ') free): disk full? read docs/runbooks/disk-full.md" >&2; exit 79; }
-printf '%s\n' "$launch" 2>/dev/null > "$dir/launch.json" || nospace
-printf '%s\n' "$envtext" 2>/dev/null > "$dir/env" || nospace
-cp -- "$config" "$dir/config.given.yaml" 2>/dev/null || nospace
-if [ -f "$manifest" ]; then
-  cp -- "$manifest" "$dir/code_manifest.json"
-  tree=$(sed -n 's/^ *"tree": *"\([0-9a-f]*\)".*/\1/p' "$manifest")
-  echo "tree ${tree:-unknown}"
-else
-  echo "unknown (no deploy manifest at $manifest)"
-fi > "$dir/code_version"
-printf '%s\n' "$wrapper" 2>/dev/null > "$dir/run.sh" || nospace
-printf '%s\n' "$name" > "$runs/.current.tmp" && mv -f -- "$runs/.current.tmp" "$runs/.current"
-echo "dflash-ops: launch $(date -u +%Y-%m-%dT%H:%M:%SZ) of run $name" >> "$dir/train.log"
-setsid -f sh "$dir/run.sh" "$dir" "$@" </dev/null >>"$dir/train.log" 2>&1
-i=0
-while [ ! -s "$dir/pid" ] && [ "$i" -lt 100 ]; do sleep 0.1; i=$((i + 1)); done
-sleep "$settle"
-if [ -s "$dir/exit_code" ] || [ ! -s "$dir/pid" ]; then
-  echo "died $(cat "$dir/exit_code" 2>/dev/null)"
-  tail -n 40 -- "$dir/train.log"
-  exit 76
-fi
-echo "started $(cat "$dir/pid") $(cat "$dir/pgid") $(cat "$dir/code_version")"
-'''
-
-# $1 runs  $2 name ("" = the latest)  $3 grace in tenths of a second.
-# SIGTERM to the group, wait, SIGKILL, confirm. Prints `<outcome> <name> <exit code>`.
-STOP_SCRIPT = RUN_ALIVE_FN + r'''
-runs=$1 name=$2 tenths=$3
-[ -n "$name" ] || name=$(cat "$runs/.current" 2>/dev/null)
-[ -n "$name" ] || { echo "dflash: no run yet under $runs" >&2; exit 3; }
-dir=$runs/$name
-[ -d "$dir" ] || { echo "dflash: no run named $name under $runs" >&2; exit 3; }
-if ! run_alive "$runs" "$name"; then echo "notalive $name $(cat "$dir/exit_code" 2>/dev/null)"; exit 0; fi
-pgid=$(cat "$dir/pgid" 2>/dev/null)
-case $pgid in ''|*[!0-9]*) echo "dflash: run $name holds the lock but has no process group recorded" >&2; exit 81;; esac
-echo "requested $(date +%s)" > "$dir/stopped"
-how=term
-kill -s TERM -- "-$pgid" 2>/dev/null
-i=0
-while kill -s 0 -- "-$pgid" 2>/dev/null && [ "$i" -lt "$tenths" ]; do sleep 0.1; i=$((i + 1)); done
-if kill -s 0 -- "-$pgid" 2>/dev/null; then
-  how=kill
-  kill -s KILL -- "-$pgid" 2>/dev/null
-  i=0
-  while kill -s 0 -- "-$pgid" 2>/dev/null && [ "$i" -lt 100 ]; do sleep 0.1; i=$((i + 1)); done
-fi
-if kill -s 0 -- "-$pgid" 2>/dev/null || ! flock -w 5 -s "$runs/.lock" true; then
-  echo "left"
-  ps -eo pid,pgid,args
-  exit 80
-fi
-echo "$how $(date +%s)" > "$dir/stopped"
-echo "$how $name $(cat "$dir/exit_code" 2>/dev/null)"
-'''
+FINISHED_CHECKS = ("finished", "max_steps")  # the preflight's "this run already reached its last step"
+DEFAULT_WAIT_S = 900  # `train` waits this long for the first step (a cold 27B start takes minutes)
 
 
 # --- pure parts ------------------------------------------------------------------------------------
@@ -182,15 +74,18 @@ def validate_sets(values: Sequence[str] | None) -> list[str]:
     for value in values or ():
         key, sep, _ = str(value).partition("=")
         if not sep or not SET_KEY.match(key):
-            raise UsageError(f"--set {str(value)[:60]!r}: expected key=value with a dotted key, e.g. train.lr=1e-4")
-        out.append(value)  # NUL and non-UTF-8 are refused by the command builder
+            raise UsageError(f"--set {str(value)[:60]!r}: expected key=value with a dotted key, e.g. "
+                             "train.lr=1e-4")
+        if not commands.is_utf8(str(value)):
+            raise UsageError(f"--set {str(value)[:60]!r}: the value is not valid UTF-8")
+        out.append(value)  # NUL is refused by the command builder
     return out
 
 
 def config_path(ct: Container, config: str | None) -> str:
     """--config is a path in the container, relative to paths.code (default: the inventory's)."""
     config = config or ct.train_config
-    if not config or "\n" in config or config.startswith("-"):
+    if not config or "\n" in config or config.startswith("-") or not commands.is_utf8(config):
         raise UsageError(f"--config {config!r}: expected a config path such as configs/tiny-cpu.yaml")
     return config if config.startswith("/") else f"{ct.paths.code}/{config}"
 
@@ -236,7 +131,8 @@ def run_dir(ct: Container, name: str) -> str:
 
 
 def lock_path(ct: Container) -> str:
-    """The runs lock: held by every process of the alive run. A cleaner may `flock -n` it to exclude launches."""
+    """The runs lock: held by every process of the alive run. A cleaner may `flock -n` it
+    to exclude launches."""
     return f"{ct.paths.runs}/{LOCK}"
 
 
@@ -248,21 +144,47 @@ class Launch:
     pid: int | None = None
     pgid: int | None = None
     code_version: str = ""
+    where: str = ""            # the container's label
+    ctid: int | None = None
+    log_offset: int = 0  # train.log's size before this launch: the wait reads from here
+    verdict: dict = field(default_factory=dict)  # the wait's: outcome step | timeout | interrupted
 
     @property
     def log(self) -> str:
         return f"{self.run_dir}/train.log"
 
+    def describe(self) -> str:
+        outcome = self.verdict.get("outcome")
+        if outcome == "interrupted":
+            said = f"stopped waiting; run {self.run} goes on on {self.where} (pid {self.pid})"
+        else:
+            said = f"run {self.run} started on {self.where}: pid {self.pid}, code {self.code_version}"
+            if outcome == "timeout":
+                said += (f"; no step yet after {self.verdict.get('waited', 0):g} s, "
+                         + ("its target and drafters are built" if self.verdict.get("ready")
+                            else "still starting"))
+        return (f"{said}\nlog: {self.log} (in the container)\n"
+                f"follow it: invoke logs --follow --run {self.run} --ct {self.ctid}")
+
+    def row(self) -> str:
+        return f"run {self.run}: pid {self.pid}, code {self.code_version}"
+
+
+def _shown_name(value) -> str:
+    """A run name from the container, for a message: itself when valid, else '?'."""
+    return value if isinstance(value, str) and RUN_NAME.match(value) else "?"
+
 
 def launch_argv(ct: Container, name: str, config: str | None = None, sets: Sequence[str] = (),
                 max_steps: int | None = None, settle: float = LAUNCH_SETTLE_S,
                 now: _dt.datetime | None = None, launcher: Sequence[str] = ()) -> tuple[list[str], list[str]]:
-    """(container argv of the launch script, training argv). Pure.
+    """(container argv of the `launch` verb, training argv). Pure.
 
     `launcher`: a script and its options that the python runs instead, the training script's
     argv after them (multi-node training's torchrun: multinode.launcher_args)."""
     directory = run_dir(ct, name)
     train = payload_argv(ct, TRAIN_SCRIPT, config, sets, run_dir=directory, max_steps=max_steps)
+    preflight = [ct.venv_python, f"{ct.paths.code}/{PREFLIGHT_SCRIPT}", *train[2:]]
     train[1:1] = list(launcher)
     record = {
         "run": name, "container": ct.ctid, "host": ct.host.name, "argv": train,
@@ -271,46 +193,75 @@ def launch_argv(ct: Container, name: str, config: str | None = None, sets: Seque
         "launched_at": (now or _dt.datetime.now(_dt.timezone.utc)).isoformat(timespec="seconds"),
         "launched_by": f"{getpass.getuser()}@{socket.gethostname()}",
     }
-    launch_json = commands.mask(json.dumps(record, indent=1), ct.secret_values())
-    argv = commands.sh_script(LAUNCH_SCRIPT, ct.paths.runs, name, config_path(ct, config),
-                              f"{ct.paths.code}/{MANIFEST}", f"{settle:g}", launch_json,
-                              masked_env_text(ct, ct.run_env()), WRAPPER_SCRIPT, *train)
-    return argv, train
+    payload = {
+        "runs": ct.paths.runs, "name": name, "config": config_path(ct, config), "argv": train,
+        "required": [ct.venv_python, f"{ct.paths.code}/{TRAIN_SCRIPT}"], "preflight": preflight,
+        "manifest": f"{ct.paths.code}/{MANIFEST}", "settle": settle, "cwd": ct.paths.code,
+        "launch": commands.mask(json.dumps(record, indent=1), ct.secret_values()),
+        "env": masked_env_text(ct, ct.run_env()),
+    }
+    return facts.runs_argv(ct, "launch", payload), train
 
 
 # --- remote operations -------------------------------------------------------------------------------
 
 def launch(t, run: str | None = None, config: str | None = None, sets: Sequence[str] = (),
            max_steps: int | None = None, launcher: Sequence[str] = ()) -> Launch:
-    """Start a detached training run (one round trip); refuse while another run is alive."""
+    """Preflight, then start a detached training run (one round trip); refuse while another run is alive."""
     ct = t.container
     name = validate_run_name(run) if run is not None else default_run_name()
     argv, train = launch_argv(ct, name, config, sets, max_steps, launcher=launcher)
-    result = t.session.exec(ct, argv, env=ct.run_env(), cwd=ct.paths.code, check=False)
-    out = Launch(run=name, run_dir=run_dir(ct, name), argv=train)
+    result = t.session.exec(ct, argv, env=ct.run_env(), cwd=ct.paths.code)
+    out = Launch(run=name, run_dir=run_dir(ct, name), argv=train, where=ct.label, ctid=ct.ctid)
     if t.dry_run:
         return out
-    first = (result.stdout.strip().splitlines() or [""])[0]
-    if result.exited == EXIT_BUSY and first == "busy-warmup":
+    answer = facts.parse_json_line(result.stdout, f"{ct.label}: launch")
+    refused(ct, answer, "launch")
+    if answer.get("outcome") == "died":
+        log = answer.get("log") if isinstance(answer.get("log"), list) else []
+        raise crashed(name, ct.label, answer.get("exit_code"),
+                      [line for line in log if isinstance(line, str)])
+    if answer.get("outcome") != "started":
+        raise RemoteCommandFailed(f"{ct.label}: launch failed: unexpected answer "
+                                  f"{result.stdout.strip()[-200:]!r}")
+    out.pid, out.pgid = _int(answer.get("pid")), _int(answer.get("pgid"))
+    out.code_version = terminal.visible(str(answer.get("code_version") or ""))[:200]
+    out.log_offset = _int(answer.get("log_offset")) or 0
+    return out
+
+
+def _int(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def refused(ct: Container, answer: dict, what: str) -> None:
+    """A verb's refusal -> the error a user reads (one line, naming what to do)."""
+    kind = answer.get("error")
+    if not kind:
+        return
+    message = terminal.visible(str(answer.get("message") or ""))[:400]
+    if kind == "busy-warmup":
         raise RunStateError(f"a warm-up is running on {ct.label}; start the run when it has finished")
-    if result.exited == EXIT_BUSY:
-        alive = first.partition(" ")[2] or "?"
+    if kind == "busy":
+        alive = _shown_name(answer.get("run"))
         raise RunStateError(f"run {alive!r} is alive on {ct.label}: follow it with `invoke logs --follow`, "
                             f"or stop it with `invoke stop --run {alive}` before starting another")
-    if result.exited == EXIT_DIED:
-        tail = "\n".join(result.stdout.strip().splitlines()[1:][-15:])
-        raise RemoteCommandFailed(f"run {name} on {ct.label} exited at once ({first.partition(' ')[2] or 'no exit code'}); "
-                                  f"its log ends:\n{tail}", exited=result.exited, stderr_tail=tail)
-    if result.exited in (EXIT_NOT_DEPLOYED, EXIT_NO_CONFIG):
-        hint = "run `invoke deploy`" if result.exited == EXIT_NOT_DEPLOYED else "check --config (relative to paths.code)"
-        raise RemoteCommandFailed(f"{ct.label}: {result.stderr.strip()}; {hint}", exited=result.exited)
-    if result.exited != 0 or not first.startswith("started "):
-        raise RemoteCommandFailed(f"{ct.label}: launch failed (exit {result.exited}): "
-                                  f"{(result.stderr or result.stdout).strip()[-400:]}", exited=result.exited)
-    fields = first.split(" ", 3)
-    out.pid, out.pgid = int(fields[1]), int(fields[2])
-    out.code_version = fields[3] if len(fields) > 3 else ""
-    return out
+    if kind == "no-run":
+        raise RunStateError(f"{ct.label}: {message}")
+    if kind == "not-deployed":
+        raise RemoteCommandFailed(f"{ct.label}: {message}; run `invoke deploy`")
+    if kind == "no-config":
+        raise RemoteCommandFailed(f"{ct.label}: {message}; check --config (relative to paths.code)")
+    if kind == "preflight":
+        check = terminal.visible(str(answer.get("check") or "?"))[:80]
+        fix = terminal.visible(str(answer.get("fix") or ""))[:400]
+        if check in FINISHED_CHECKS:  # its message says what to give
+            raise RunStateError(f"{ct.label}: {message}")
+        raise PreflightFailed(f"{ct.label}: preflight {check}: {message}" + (f"; {fix}" if fix else "")
+                              + "; nothing was launched")
+    if kind in ("disk-full", "cannot-write"):
+        raise RemoteCommandFailed(f"{ct.label}: {what} failed: dflash: {message}")
+    raise RemoteCommandFailed(f"{ct.label}: {what} failed ({terminal.visible(str(kind))[:40]}): {message}")
 
 
 @dataclass
@@ -318,6 +269,21 @@ class Stop:
     run: str
     outcome: str  # term | kill | notalive
     exit_code: str = ""
+    where: str = ""    # the container's label
+    grace: float = 30
+
+    def describe(self) -> str:
+        return self._says(f"run {self.run} on {self.where}")
+
+    def row(self) -> str:
+        return self._says(f"run {self.run}")
+
+    def _says(self, run: str) -> str:
+        code = self.exit_code or "none"
+        if self.outcome == "notalive":
+            return f"{run} is not running (exit code: {code})"
+        how = "SIGTERM" if self.outcome == "term" else f"SIGKILL after {self.grace:g} s"
+        return f"{run} stopped ({how}, exit code: {code}); no process left"
 
 
 def resolve_run(t, run: str | None) -> str:
@@ -331,66 +297,154 @@ def resolve_run(t, run: str | None) -> str:
     r = t.session.exec(ct, ["cat", f"{ct.paths.runs}/{CURRENT}"], check=False)
     name = r.stdout.strip()
     if r.exited != 0 or not name:
-        raise RunStateError(f"no run yet on {ct.label} (nothing under {ct.paths.runs}); start one with `invoke train`")
+        raise RunStateError(f"no run yet on {ct.label} (nothing under {ct.paths.runs}); start one with "
+                            "`invoke train`")
     return validate_run_name(name)
 
 
 def stop(t, run: str | None = None, grace: float = 30) -> Stop:
     """SIGTERM the run's process group, SIGKILL after `grace` s, confirm nothing is left, record it.
 
-    One round trip: the script resolves the latest run itself when `run` is None.
+    One round trip; the container resolves the latest run itself when `run` is None, and signals a
+    group only once it has proven it is this run's wrapper (container_runs.prove_group).
     """
     ct = t.container
     if float(grace) < 0:
         raise UsageError(f"--grace {grace}: must be >= 0 seconds")
-    name = validate_run_name(run) if run is not None else ""
-    argv = commands.sh_script(STOP_SCRIPT, ct.paths.runs, name, str(int(float(grace) * 10)))
-    result = t.session.exec(ct, argv, check=False)
+    name = validate_run_name(run) if run is not None else None
+    line = facts.runs_line(ct, "stop", {"runs": ct.paths.runs, "name": name, "grace": float(grace)})
+    result = t.session.run_in(ct, line)
     if t.dry_run:
         return Stop(name or "(latest)", "dry-run")
-    words = (result.stdout.strip().splitlines() or [""])[0].split(" ", 2)
-    if result.exited == EXIT_NO_RUN:
-        raise RunStateError(f"{ct.label}: {result.stderr.strip().removeprefix('dflash: ')}")
-    if result.exited == EXIT_LEFTOVER:
-        raise RunStateError(f"run {name or '(latest)'} on {ct.label}: processes are left after SIGKILL:\n"
-                            f"{result.stdout.strip()}")
-    if result.exited != 0 or words[0] not in ("term", "kill", "notalive") or len(words) < 2:
-        raise RemoteCommandFailed(f"{ct.label}: stop failed (exit {result.exited}): "
-                                  f"{(result.stderr or result.stdout).strip()[-300:]}", exited=result.exited)
-    return Stop(words[1], words[0], words[2] if len(words) > 2 else "")
+    answer = facts.parse_json_line(result.stdout, f"{ct.label}: stop")
+    shown = _shown_name(answer.get("run") or name)
+    if answer.get("error") == "unproven":
+        raise RunStateError(f"run {shown} on {ct.label}: not signalled: "
+                            f"{terminal.visible(str(answer.get('message')))[:300]}; look with "
+                            "`invoke status`")
+    refused(ct, answer, "stop")
+    outcome = answer.get("outcome")
+    if outcome == "left":
+        listing = "\n".join(terminal.visible(p) for p in answer.get("processes") or [] if isinstance(p, str))
+        raise RunStateError(f"run {shown} on {ct.label}: processes are left after SIGKILL:\n{listing}")
+    if outcome not in ("term", "kill", "notalive"):
+        raise RemoteCommandFailed(f"{ct.label}: stop failed: unexpected answer "
+                                  f"{result.stdout.strip()[-200:]!r}")
+    code = answer.get("exit_code")
+    return Stop(shown, outcome, terminal.visible(code)[:40] if isinstance(code, str) else "", ct.label,
+                float(grace))
 
 
-def alive_run_script() -> str:
-    """Constant script: `sh -c SCRIPT sh <runs dir>` prints the alive run's name, or nothing."""
-    return ALIVE_RUN_SCRIPT
+# --- the launch's first steps ---------------------------------------------------------------------------
+
+class LaunchWatch:
+    """The `wait` verb's JSON lines -> the log lines shown under a progress line, and the verdict."""
+
+    def __init__(self, run: str, label: str, timeout: float, console=None):
+        self.run, self.label, self.timeout = run, label, timeout
+        self.console = console or terminal.console(stderr=False)
+        self.lines: list[str] = []
+        self.verdict: dict = {}
+        self.started = time.monotonic()
+        self.status = None
+        self._partial = ""
+
+    def __enter__(self):
+        self.status = self.console.status(self._text(""), spinner="dots")
+        self.status.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.status.__exit__(*exc)
+
+    def _text(self, last: str) -> str:
+        waited = time.monotonic() - self.started
+        return (f"waiting for run {self.run} on {self.label} to take its first step "
+                f"({waited:.0f} s of {self.timeout:g} s)"
+                + (f": {terminal.markup(last[:80])}" if last else ""))
+
+    # a file-like out_stream for the transport
+    def write(self, data: str) -> int:
+        self._partial += data
+        *complete, self._partial = self._partial.split("\n")
+        for raw in complete:
+            self.record(raw.rstrip("\r"))
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+    def record(self, raw: str) -> None:
+        try:
+            item = json.loads(raw) if raw.strip() else None
+        except (ValueError, RecursionError):
+            item = None
+        if not isinstance(item, dict):
+            return  # the pty's echo of ^C, or noise
+        line = item.get("line")
+        if "outcome" in item or "error" in item:
+            self.verdict = item
+        elif isinstance(line, str):
+            self.lines = (self.lines + [line])[-400:]
+            self.console.print(terminal.markup(line), highlight=False, soft_wrap=True)
+            if self.status is not None:
+                self.status.update(self._text(line))
 
 
-def alive_run(t) -> str | None:
-    """The name of the run alive in the target's container, or None (one round trip)."""
+def why_it_failed(lines: list[str], nothing: str = "(no output)") -> str:
+    """A failed process's output -> `<its last error line>; <the runbook>`, visible, on one line."""
+    from .status import last_error_line
+
+    last = last_error_line(lines) or nothing
+    found = signatures.scan(lines)
+    hint = signatures.advice(found[-1][0]) if found else "read docs/runbooks/README.md"
+    return f"{terminal.visible(last)[:300]}; {hint}"
+
+
+def crashed(run: str, label: str, exit_code, lines: list[str]) -> RemoteCommandFailed:
+    """A run that died before its first step: one line with its last error line and the runbook."""
+    from .status import describe_exit
+
+    code = terminal.visible(exit_code)[:40] if isinstance(exit_code, str) else None
+    return RemoteCommandFailed(f"run {run} on {label} crashed ({describe_exit(code)}): "
+                               f"{why_it_failed(lines, '(the log has no line since the launch)')}")
+
+
+def wait_until_going(t, launched: Launch, timeout: float = DEFAULT_WAIT_S, console=None) -> dict:
+    """Stream the run's log until its first step line; raise if it dies meanwhile.
+
+    Ctrl-C ends the wait only: the run is in its own session in the container, the waiter is not
+    its parent. Returns the verdict: {"outcome": "step"|"timeout"|"interrupted", "line": ..., "ready": ...}.
+    """
     ct = t.container
-    r = t.session.exec(ct, commands.sh_script(ALIVE_RUN_SCRIPT, ct.paths.runs))
-    return r.stdout.strip() or None
+    payload = {"runs": ct.paths.runs, "name": launched.run, "offset": launched.log_offset,
+               "timeout": float(timeout)}
+    watch = LaunchWatch(launched.run, ct.label, float(timeout), console)
+    with watch:
+        result = t.session.run_in(ct, facts.runs_line(ct, "wait", payload), check=False, pty=True,
+                                  out_stream=watch)
+    if t.dry_run:
+        return {"outcome": "dry-run"}
+    verdict = dict(watch.verdict, waited=float(timeout))
+    if result.exited == 130 or verdict.get("outcome") == "interrupted":
+        return {"outcome": "interrupted"}
+    refused(ct, verdict, "waiting for the run")
+    if verdict.get("outcome") == "crashed":
+        raise crashed(launched.run, ct.label, verdict.get("exit_code"), watch.lines)
+    if verdict.get("outcome") not in ("step", "timeout"):
+        raise RemoteCommandFailed(f"{ct.label}: waiting for run {launched.run} ended without a verdict "
+                                  f"(exit {result.exited}); check it with `invoke status`")
+    return verdict
 
 
 # --- warm-up ------------------------------------------------------------------------------------------
 
-# $1 runs dir, then the warm-up argv. Holds the runs lock shared: no run starts meanwhile.
-WARMUP_SCRIPT = r'''
-runs=$1; shift
-mkdir -p -- "$runs" || exit 79
-exec 9>>"$runs/.lock"
-if ! flock -n -s 9; then echo "busy $(cat "$runs/.current" 2>/dev/null)"; exit 75; fi
-for f in "$1" "$2"; do
-  [ -e "$f" ] || { echo "dflash: $f is missing in the container" >&2; exit 77; }
-done
-exec "$@"
-'''
-
-
 def warmup_argv(ct: Container, config: str | None = None, sets: Sequence[str] = ()) -> list[str]:
-    """The warm-up: same config, --set values, devices, env and compile caches as `train`."""
-    return commands.sh_script(WARMUP_SCRIPT, ct.paths.runs,
-                              *payload_argv(ct, WARMUP_SCRIPT_NAME, config, sets))
+    """The warm-up: same config, --set values, devices, env and compile caches as `train`.
+
+    container_runs.py's `warmup` verb takes the runs lock shared, then becomes the warm-up (exec)."""
+    return facts.runs_argv(ct, "warmup", {"runs": ct.paths.runs,
+                                          "argv": payload_argv(ct, WARMUP_SCRIPT_NAME, config, sets)})
 
 
 SHAPE_DONE = re.compile(r"compile warm-up: shape \('(?P<kind>\w+)', (?P<worker>\d+)\) took (?P<s>[\d.]+) s")
@@ -435,7 +489,7 @@ class WarmupProgress(LineSink):
     def line(self, line: str) -> None:
         out = self.out or sys.stdout
         self.lines = (self.lines + [line])[-400:]
-        print(line, file=out, flush=True)
+        print(terminal.visible(line), file=out, flush=True)
         m = SHAPE_DONE.search(line)
         if m:
             worker = int(m["worker"])
@@ -443,35 +497,37 @@ class WarmupProgress(LineSink):
             self.done.setdefault(device, []).append((m["kind"], float(m["s"])))
             shapes = ", ".join(f"{k} {s:.1f} s" for k, s in self.done[device])
             total = sum(len(v) for v in self.done.values())
-            print(f"[warmup] {device}: {shapes}  ({total}/{2 * len(self.devices)} shapes)", file=out, flush=True)
+            print(f"[warmup] {device}: {shapes}  ({total}/{2 * len(self.devices)} shapes)", file=out,
+                  flush=True)
 
-    def failure_tail(self, n: int = 15) -> str:
-        self.close()
-        starts = [i for i, line in enumerate(self.lines) if line.startswith("Traceback (most recent call last)")]
-        kept = self.lines[starts[-1]:] if starts else self.lines
-        return "\n".join([line for line in kept if line.strip()][-n:])
+
+def refusal(lines: list[str]) -> dict:
+    """The warmup verb's refusal: its one JSON line, printed before it would become the warm-up."""
+    try:
+        answer = json.loads(lines[0]) if len(lines) == 1 else None
+    except (ValueError, RecursionError):
+        answer = None
+    return answer if isinstance(answer, dict) and "error" in answer else {}
 
 
 def warmup(t, config: str | None = None, sets: Sequence[str] = (), out=None) -> WarmupProgress:
     """Run warmup_compile.py in the container, streamed, over a pty (Ctrl-C stops it there)."""
-    from . import signatures
-
     ct = t.container
     devices = [d for d in ct.roles.devices("drafter").split(",") if d]
     progress = WarmupProgress(devices=devices, out=out)
     result = t.session.exec(ct, warmup_argv(ct, config, sets), env=ct.run_env(), cwd=ct.paths.code,
                             check=False, pty=True, out_stream=progress)
-    if t.dry_run or result.exited == 0:
+    if t.dry_run or (result.exited == 0 and not refusal(progress.lines)):
         return progress
     if result.exited == 130:  # Ctrl-C reached the warm-up through the pty; it has stopped there
         raise KeyboardInterrupt
-    first = progress.lines[0] if progress.lines else ""
-    if result.exited == EXIT_BUSY and first.startswith("busy"):
-        raise RunStateError(f"run {first[5:] or '?'} is alive on {ct.label}: warm up before starting a run, "
-                            f"or stop it with `invoke stop`")
-    if result.exited == EXIT_NOT_DEPLOYED:
-        raise RemoteCommandFailed(f"{ct.label}: {progress.failure_tail(2)}; run `invoke deploy`", exited=result.exited)
-    tail = progress.failure_tail()
-    advice = "".join(f"\n{signatures.advice(sig)}" for sig, _ in signatures.scan(progress.lines))
-    raise RemoteCommandFailed(f"warm-up failed on {ct.label} (exit {result.exited}); the output ends:\n{tail}{advice}",
-                              exited=result.exited, stderr_tail=tail)
+    answer = refusal(progress.lines)
+    if answer.get("error") == "busy":
+        raise RunStateError(f"run {_shown_name(answer.get('run'))} is alive on {ct.label}: warm up before "
+                            f"starting a run, or stop it with `invoke stop`")
+    refused(ct, answer, "warm-up")
+    progress.close()
+    # Its output was streamed above: the error is one line, as a launch that crashes says it.
+    raise RemoteCommandFailed(f"warm-up failed on {ct.label} (exit {result.exited}): "
+                              f"{why_it_failed(progress.lines)}",
+                              exited=result.exited)

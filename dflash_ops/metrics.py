@@ -10,21 +10,14 @@ evals.jsonl (written by eval_dflash.py) holds the dflash_generate evaluations of
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 
-from . import commands, jobs
+from . import facts, jobs, terminal
+from .errors import RemoteCommandFailed, RunStateError
+from .status import fmt
 
-# One round trip: both files, each after a marker line (a file may be missing: no run yet, no eval).
-METRICS_SCRIPT = r'''
-dir=$1/$2
-[ -d "$dir" ] || { echo "dflash: no run named $2 under $1" >&2; exit 3; }
-echo "== metrics"
-cat "$dir/metrics.jsonl" 2>/dev/null
-echo "== evals"
-cat "$dir/evals.jsonl" 2>/dev/null
-echo "== end"
-'''
-EXIT_NO_RUN = 3
+MAX_ANSWER = 64 << 20  # container_runs sends at most 16 MiB of each file
 
 
 @dataclass
@@ -35,63 +28,99 @@ class RunMetrics:
     checkpoints: list = field(default_factory=list)
     dflash_evals: list = field(default_factory=list)
     skipped: int = 0  # lines that were not JSON objects (one being written as we read it)
+    left_out: int = 0  # bytes at the start of metrics.jsonl not read (the container sends the newest 16 MiB)
+
+
+TEXT_KEYS = ("kind", "path", "checkpoint", "target", "device", "dtype")
+
+
+def _clean(key: str, value, depth=0):
+    """A record's value as the table and the plot use it: finite numbers, flat lists of them, booleans;
+    text only under TEXT_KEYS. Anything else becomes None (shown as '-', left out of the plot)."""
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, int):
+        return value if abs(value) < 1 << 63 else None
+    if isinstance(value, float):
+        return value if math.isfinite(value) and abs(value) < 1e300 else None
+    if isinstance(value, str) and key in TEXT_KEYS:
+        return value[:500]
+    if isinstance(value, list) and depth == 0:
+        return [_clean(key, v, 1) for v in value[:256]]
+    return None
+
+
+def _record(line) -> dict | None:
+    if not isinstance(line, str):
+        return None
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(record, dict):
+        return None
+    record = {str(k)[:100]: _clean(str(k), v) for k, v in list(record.items())[:64]}
+    if not isinstance(record.get("kind", ""), str) or isinstance(record.get("step"), bool):
+        return None
+    return record if isinstance(record.get("step", 0), (int, type(None))) else None
 
 
 def parse_metrics(text: str, run: str = "") -> RunMetrics:
-    """Output of METRICS_SCRIPT -> RunMetrics. Pure; a torn or foreign line is counted, not fatal."""
-    out = RunMetrics(run)
-    section = None
-    for line in text.splitlines():
-        if line.startswith("== "):
-            section = line[3:].strip()
-            continue
-        if not line.strip() or section not in ("metrics", "evals"):
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            record = None
-        if not isinstance(record, dict) or not isinstance(record.get("step", 0), (int, type(None))):
-            out.skipped += 1
-            continue
-        if section == "evals":
-            out.dflash_evals.append(record)
-            continue
-        bucket = {"train": out.train, "eval": out.eval, "checkpoint": out.checkpoints}.get(
-            record.get("kind", "train"))
-        if bucket is None:
-            out.skipped += 1
-        else:
-            bucket.append(record)
+    """container_runs.metrics's answer -> RunMetrics. Pure; a torn or foreign line is counted, not fatal.
+
+    Every value is checked: numbers must be finite, lists flat; anything else becomes None (shown '-').
+    """
+    answer = facts.json_answer(text, "metrics", MAX_ANSWER)
+    out = RunMetrics(run or str(answer.get("run") or "")[:64])
+    left_out = answer.get("metrics_left_out")
+    out.left_out = left_out if isinstance(left_out, int) and not isinstance(left_out, bool) else 0
+    for section in ("metrics", "evals"):
+        given = answer.get(section)
+        for line in given if isinstance(given, list) else []:
+            record = _record(line)
+            if record is None:
+                out.skipped += 1
+            elif section == "evals":
+                out.dflash_evals.append(record)
+            else:
+                bucket = {"train": out.train, "eval": out.eval, "checkpoint": out.checkpoints}.get(
+                    record.get("kind", "train"))
+                if bucket is None:
+                    out.skipped += 1
+                else:
+                    bucket.append(record)
+        dropped = answer.get(section + "_dropped")
+        out.skipped += dropped if isinstance(dropped, int) and 0 <= dropped < 1 << 40 else 0
     return out
 
 
 def fetch(t, run: str | None = None) -> RunMetrics | None:
-    """Read run `run` (default: the latest) from the container; None in a dry run."""
+    """Read run `run` (default: the latest) from the container in one round trip; None in a dry run."""
     ct = t.container
-    name = jobs.resolve_run(t, run)
-    result = t.session.exec(ct, commands.sh_script(METRICS_SCRIPT, ct.paths.runs, name), check=False)
+    name = jobs.validate_run_name(run) if run is not None else None
+    result = t.session.run_in(ct, facts.runs_line(ct, "metrics", {"runs": ct.paths.runs, "name": name}))
     if t.dry_run:
         return None
-    if result.exited == EXIT_NO_RUN:
-        from .errors import RunStateError
-        raise RunStateError(f"{ct.label}: {result.stderr.strip()}; `invoke status` names the latest run")
-    if result.exited != 0:
-        from .errors import RemoteCommandFailed
-        raise RemoteCommandFailed(f"{ct.label}: reading metrics failed (exit {result.exited}): "
-                                  f"{result.stderr.strip()[-300:]}", exited=result.exited)
-    return parse_metrics(result.stdout, name)
+    answer = facts.parse_json_line(result.stdout, f"{ct.label}: metrics")
+    if answer.get("error") == "no-run":
+        raise RunStateError(f"{ct.label}: {str(answer.get('message'))[:300]}; `invoke status` names "
+                            "the latest run")
+    if answer.get("error"):
+        raise RemoteCommandFailed(f"{ct.label}: reading metrics failed: {str(answer.get('message'))[:300]}")
+    try:
+        latest = answer.get("run") if isinstance(answer.get("run"), str) else "?"
+        # .current's text: the table shows it visibly
+        return parse_metrics(result.stdout, name or latest[:200])
+    except ValueError as exc:
+        raise RemoteCommandFailed(f"{ct.label}: {exc}") from None
 
 
 # --- the table ------------------------------------------------------------------------------------
 
-def _f(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def _slots(record: dict, count: int = 4) -> str:
-    accuracy = record.get("slot_accuracy") or []
-    return " ".join(f"{a:.2f}" for a in accuracy[:count]) or "-"
+    accuracy = record.get("slot_accuracy")
+    return " ".join(fmt(a, ".2f") for a in accuracy[:count]) if isinstance(accuracy,
+                                                                           list) and accuracy else "-"
 
 
 def table(metrics: RunMetrics, n: int = 20):
@@ -99,19 +128,22 @@ def table(metrics: RunMetrics, n: int = 20):
     from rich import box
     from rich.table import Table
 
-    evals = {r["step"]: r for r in metrics.eval}
+    evals = {r.get("step"): r for r in metrics.eval}
     rows = metrics.train[-n:] if n > 0 else metrics.train
     # a light box without vertical rules: the table fits 80 columns
-    out = Table(title=f"run {metrics.run}: last {len(rows)} of {len(metrics.train)} logged steps",
+    out = Table(title=f"run {terminal.markup(metrics.run)}: last {len(rows)} of {len(metrics.train)} "
+                      "logged steps",
                 title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
-    for name in ("step", "loss", "held-out", "accept", "slot acc 1-4", "tokens/s", "lr", "GiB"):
+    # tf accept: teacher-forced acceptance on the dataset's answers; `invoke eval` measures the real one
+    for name in ("step", "loss", "held-out", "tf accept", "slot acc 1-4", "tokens/s", "lr", "GiB"):
         out.add_column(name, justify="left" if name == "slot acc 1-4" else "right", no_wrap=True)
     for record in rows:
         held = evals.get(record.get("step"))
-        out.add_row(str(record.get("step", "-")), _f(record.get("loss"), ".4f"),
-                    _f(held and held.get("loss"), ".4f"), _f(record.get("acceptance_length"), ".2f"),
-                    _slots(record), _f(record.get("tokens_per_s"), ",.0f"), _f(record.get("lr"), ".1e"),
-                    _f(record.get("memory_gib"), ".2f"))
+        cells = (str(record.get("step", "-")), fmt(record.get("loss"), ".4f"),
+                 fmt(held and held.get("loss"), ".4f"), fmt(record.get("acceptance_length"), ".2f"),
+                 _slots(record), fmt(record.get("tokens_per_s"), ",.0f"), fmt(record.get("lr"), ".1e"),
+                 fmt(record.get("memory_gib"), ".2f"))
+        out.add_row(*map(terminal.markup, cells))  # values from metrics.jsonl: shown, never markup
     return out
 
 
@@ -120,9 +152,10 @@ def eval_summary(metrics: RunMetrics) -> str | None:
     if not metrics.dflash_evals:
         return None
     last = metrics.dflash_evals[-1]
-    return (f"last dflash eval (step {last.get('step')}): acceptance {last['acceptance_length']:.2f}, "
-            f"{last['tokens_per_target_forward']:.2f} tokens/target forward, speedup "
-            f"{last['speedup']:.2f}x, lossless {'yes' if last['lossless'] else 'NO'}")
+    return (f"last dflash eval (step {fmt(last.get('step'), 'd')}): acceptance "
+            f"{fmt(last.get('acceptance_length'), '.2f')}, "
+            f"{fmt(last.get('tokens_per_target_forward'), '.2f')} tokens/target forward, speedup "
+            f"{fmt(last.get('speedup'), '.2f')}x, lossless {'yes' if last.get('lossless') is True else 'NO'}")
 
 
 # --- the plot -------------------------------------------------------------------------------------
@@ -138,8 +171,12 @@ def _smooth(values: list[float], points: int) -> list[float]:
     return out
 
 
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _series(records: list[dict], key: str):
-    pairs = [(r["step"], r[key]) for r in records if r.get(key) is not None and r.get("step") is not None]
+    pairs = [(r["step"], r[key]) for r in records if _number(r.get(key)) and r.get("step") is not None]
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
@@ -189,16 +226,20 @@ def plot(metrics: RunMetrics, path: str) -> str:
         steps, values = _series(evals, "acceptance_length")
         ax_tau.scatter(steps, values, marker="*", s=260, color=colour_eval, zorder=5,
                        edgecolor="black", linewidth=0.6, label="dflash_generate (greedy, lossless)")
-        for s, v in zip(steps, values):
+        for s, v in zip(steps, values, strict=True):
             ax_tau.annotate(f"{v:.2f}", (s, v), textcoords="offset points", xytext=(8, -12),
                             color=colour_eval, fontweight="bold")
     ax_tau.axhline(1.0, color="grey", linestyle=":", linewidth=1)
-    ax_tau.set_title("Acceptance length τ (tokens per verification)", loc="left", fontweight="bold")
+    ax_tau.set_title("Acceptance length τ: teacher-forced (lines), dflash eval (stars)", loc="left",
+                     fontweight="bold")
 
+    for r in train:  # the per-slot panel plots numbers only
+        if not isinstance(r.get("slot_accuracy"), list) or not all(map(_number, r["slot_accuracy"])):
+            r["slot_accuracy"] = None
     slots = max((len(r.get("slot_accuracy") or []) for r in train), default=0)
     colours = cm.viridis([i / max(slots - 1, 1) for i in range(slots)])
     for slot in range(slots):
-        rows = [r for r in train if len(r.get("slot_accuracy") or []) > slot]
+        rows = [r for r in train if len(r.get("slot_accuracy") or []) > slot and r.get("step") is not None]
         steps = [r["step"] for r in rows]
         values = [r["slot_accuracy"][slot] for r in rows]
         label = f"slot {slot + 1}" if slot in (0, slots - 1) or slots <= 8 else None
@@ -231,10 +272,11 @@ def plot(metrics: RunMetrics, path: str) -> str:
             ax.legend(loc="best", fontsize=9, framealpha=0.8)
 
     last = train[-1] if train else held[-1]
-    headline = (f"run {metrics.run}: step {last.get('step')}, loss {last.get('loss', 0):.3f}, "
-                f"τ {last.get('acceptance_length', 0):.2f}")
+    headline = (f"run {metrics.run}: step {fmt(last.get('step'), 'd')}, loss {fmt(last.get('loss'), '.3f')}, "
+                f"teacher-forced τ {fmt(last.get('acceptance_length'), '.2f')}")
     if evals:
-        headline += f"; dflash eval τ {evals[-1]['acceptance_length']:.2f} at step {evals[-1]['step']}"
+        headline += (f"; dflash eval τ {fmt(evals[-1].get('acceptance_length'), '.2f')} at step "
+                     f"{fmt(evals[-1].get('step'), 'd')}")
     fig.suptitle(headline + ("   (grey lines: checkpoints)" if saved else ""), fontsize=13)
     fig.savefig(path)
     plt.close(fig)

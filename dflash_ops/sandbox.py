@@ -30,7 +30,7 @@ from pathlib import Path
 
 import yaml
 
-from .errors import DflashOpsError
+from .errors import DflashOpsError, ExitStatus
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_INVENTORY = REPO / "inventory" / "sandbox.yaml"
@@ -65,10 +65,8 @@ CONTAINER_DEFAULTS = {
 }
 
 
-class SandboxError(DflashOpsError):
+class SandboxError(DflashOpsError, exit_status=ExitStatus.SANDBOX):
     """The embedded host could not be brought up, inspected or taken down."""
-
-    exit_code = 7
 
 
 @dataclass(frozen=True)
@@ -127,8 +125,12 @@ def default_state_dir() -> Path:
 # --- public API -------------------------------------------------------------------------------
 
 def up(state_dir=None, containers=(200,), hosts=1, *, stopped=(), inventory_path=DEFAULT_INVENTORY,
-       shm_size="1g", tiny_fit_steps=0) -> Sandbox:
+       shm_size="1g", tiny_fit_steps=0, session_locale=None, logins=()) -> Sandbox:
     """Bring the sandbox up: `hosts` sshd hosts, each with its containers; idempotent.
+
+    `session_locale`: the LANG every SSH session gets (None: none, so the locale is C, as on a host
+    without PAM; a client may still send LANG/LC_*, which sshd accepts). `logins`: existing local
+    users, besides root, who may log in with the client key (tests of `become: sudo`).
 
     Host 1 gets `containers` (running) and `stopped` (created, kept stopped); host k gets the same
     ids shifted by (k-1) * span so ids stay unique (containers=(200,), hosts=2: 200 and 201).
@@ -141,12 +143,15 @@ def up(state_dir=None, containers=(200,), hosts=1, *, stopped=(), inventory_path
     (state / "pip-cache").mkdir(exist_ok=True)
     Path("/run/sshd").mkdir(mode=0o755, parents=True, exist_ok=True)  # sshd's privilege-separation dir
     for index, (run_ids, stop_ids) in enumerate(_layout(containers, stopped, hosts), start=1):
-        _host_up(state, f"pve{index}", key, run_ids, stop_ids, shm_size, changed)
+        settings = {"node": f"pve{index}", "pip_cache": str(state / "pip-cache"),
+                    "session_locale": session_locale, "logins": sorted(logins)}
+        _host_up(state, settings, key, run_ids, stop_ids, shm_size, changed)
     sandbox = _inspect(state, inventory_path)
     if _write_if_changed(sandbox.known_hosts, _known_hosts(sandbox)):
         changed.append("known_hosts written")
     if inventory_path is not None:
-        if _write_if_changed(Path(inventory_path), yaml.safe_dump(inventory(sandbox, tiny_fit_steps), sort_keys=False)):
+        if _write_if_changed(Path(inventory_path),
+                             yaml.safe_dump(inventory(sandbox, tiny_fit_steps), sort_keys=False)):
             changed.append(f"inventory written: {inventory_path}")
     _write_if_changed(state / "inventory-path", str(inventory_path or ""))
     return Sandbox(**{**sandbox.__dict__, "changed": tuple(changed)})
@@ -179,7 +184,8 @@ def watch(state_dir, pid: int) -> int:
     _stop_watcher(state)
     script = ('tail --pid="$1" -f /dev/null; exec "$2" -c "import sys; sys.path.insert(0, sys.argv[1]); '
               'from dflash_ops import sandbox; sandbox.down(sys.argv[2])" "$3" "$4"')
-    proc = subprocess.Popen(["/bin/sh", "-c", script, "sandbox-watch", str(pid), sys.executable, str(REPO), str(state)],
+    proc = subprocess.Popen(["/bin/sh", "-c", script, "sandbox-watch", str(pid), sys.executable, str(REPO),
+                             str(state)],
                             start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     _CHILDREN[proc.pid] = proc
@@ -226,12 +232,15 @@ def _layout(containers, stopped, hosts):
             for k in range(hosts)]
 
 
-def _host_up(state, name, key, run_ids, stop_ids, shm_size, changed):
+def _host_up(state, settings, key, run_ids, stop_ids, shm_size, changed):
+    name = settings["node"]
     hdir = state / name
     (hdir / "bin").mkdir(parents=True, exist_ok=True)
     _ensure_key(hdir / "ssh_host_ed25519_key", changed)
     _write_if_changed(hdir / "authorized_keys", Path(f"{key}.pub").read_text())
-    _write_if_changed(hdir / "host.json", json.dumps({"node": name, "pip_cache": str(state / "pip-cache")}) + "\n")
+    if _write_if_changed(hdir / "host.json", json.dumps(settings) + "\n") and _host_state(hdir).sshd_pid:
+        _reload_sshd(hdir)
+        changed.append(f"{name}: sshd reloaded (session settings)")
     pct_text = PCT_SOURCE.read_text().replace("#!/usr/bin/python3", f"#!{_host_python()}", 1)
     if _write_if_changed(hdir / "bin" / "pct", pct_text):
         changed.append(f"{name}: pct installed")
@@ -273,6 +282,9 @@ def _container_conf(vmid, shm_size) -> str:
 
 def _sshd_config(hdir: Path, port: int) -> str:
     path = f"{hdir}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+    settings = json.loads((hdir / "host.json").read_text())
+    lang = f' "LANG={settings["session_locale"]}"' if settings.get("session_locale") else ""
+    logins = "".join(f" {user}" for user in settings.get("logins", ()))
     return f"""# Generated by dflash_ops.sandbox: the embedded Proxmox host {hdir.name}.
 Port {port}
 ListenAddress 127.0.0.1
@@ -280,7 +292,10 @@ AddressFamily inet
 HostKey {hdir}/ssh_host_ed25519_key
 PidFile {hdir}/sshd.pid
 AuthorizedKeysFile {hdir}/authorized_keys
-AllowUsers root
+AllowUsers root{logins}
+# Other users than root cannot read a key file under the state dir: sshd (root) reads it for them.
+AuthorizedKeysCommand /usr/bin/cat {hdir}/authorized_keys
+AuthorizedKeysCommandUser root
 PermitRootLogin prohibit-password
 PubkeyAuthentication yes
 PasswordAuthentication no
@@ -296,7 +311,9 @@ MaxStartups 64
 MaxSessions 64
 Subsystem sftp internal-sftp
 # pct on every session's PATH; the marker lets down() find whatever a session left running.
-SetEnv "PATH={path}" "{MARKER}={hdir}"
+SetEnv "PATH={path}" "{MARKER}={hdir}"{lang}
+# What Debian's sshd_config accepts from a client (OpenSSH sends LANG and LC_* by default).
+AcceptEnv LANG LC_*
 """
 
 
@@ -339,6 +356,12 @@ def _try_sshd(hdir: Path, name: str, port: int):
             return " ".join(tail) or "no log"
         time.sleep(0.01)
     return None
+
+
+def _reload_sshd(hdir: Path):
+    """New session settings: sshd re-reads its config on SIGHUP (same pid, open sessions untouched)."""
+    (hdir / "sshd_config").write_text(_sshd_config(hdir, _read_int(hdir / "port")))
+    os.kill(_host_state(hdir).sshd_pid, signal.SIGHUP)
 
 
 _CHILDREN: dict = {}  # sshd processes started by this process, reaped by down() (no zombies in ps)
@@ -463,7 +486,8 @@ def _known_hosts(sandbox: Sandbox) -> str:
 def _ensure_key(path: Path, changed) -> Path:
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["/usr/bin/ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"dflash-sandbox {path.name}",
+        subprocess.run(["/usr/bin/ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C",
+                        f"dflash-sandbox {path.name}",
                         "-f", str(path)], check=True, stdin=subprocess.DEVNULL)
         changed.append(f"key generated: {path}")
     return path

@@ -7,8 +7,8 @@ name the runbook when a run's last lines match. Runbooks live in docs/runbooks/<
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 RUNBOOK_DIR = "docs/runbooks"
 

@@ -1,57 +1,32 @@
-"""`invoke status`: one round trip to a constant script printing facts, and a pure parser for them.
+"""`invoke status`: one round trip to container_runs.py's `status` verb, and a strict parser of its answer.
 
-The fact script prints one `key value` line per fact (values never contain a newline):
-
-    now 1764421000              container clock, epoch seconds
-    name tiny                   the run (--run, or the latest)
-    exists 1 | alive 1          run directory present | a process of the run holds the runs lock
-    pid 123 / pgid 120 / started ... / ended ... / exit_code signal 9 / stopped term 1764... / code_version ...
-    mtime_log 1764420990 / mtime_metrics 1764420985 / free 5368709120 (bytes free where the run dir is)
-    metric {...json...}         the last metrics.jsonl lines
-    evaljson {...json...}       eval.json (the last `invoke eval`), newlines removed
-    log ...                     the last train.log lines
-    gpu 0, 97, 70000, 81559     nvidia-smi: index, utilisation %, memory used MiB, total MiB
-    end
+The answer is one JSON object (container_runs.status): `now` (container clock), `name` (--run, or
+the latest), `free_runs` / `free_shm` (bytes free on paths.runs and /dev/shm, with or without a
+run), `exists`, `alive` (a process of the run holds the runs lock), `files` (pid, pgid, started,
+ended, exit_code, stopped, code_version: their first 300 bytes), `mtime_log`, `mtime_metrics`,
+`free` (bytes free where the run dir is), `checkpoint` (checkpoints/latest's text and mtime),
+`metrics` (the last metrics.jsonl lines), `eval` (eval.json's text, when at most 20 kB), `data`
+(data.json's first 4000 bytes: what training found about its data), `log` (the last train.log
+lines), `gpus` (nvidia-smi's csv lines: index, utilisation %, memory used and total MiB,
+temperature C; null without nvidia-smi). Every value is data: the parser takes each field only
+with the type it expects and answers with a RunStatus or one ValueError line.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
+import re
 import signal as _signal
+import sys
 from dataclasses import asdict, dataclass, field
 
-from . import commands, jobs, signatures
+from . import facts, fanout, jobs, signatures, terminal
 
 DEFAULT_STALL_AFTER = 600
 LOW_SPACE = 1 << 20  # bytes free on the run directory's filesystem below which it counts as full
-
-STATUS_SCRIPT = jobs.RUN_ALIVE_FN + r'''
-runs=$1 name=$2
-[ -n "$name" ] || name=$(cat "$runs/.current" 2>/dev/null)
-echo "now $(date +%s)"
-echo "name $name"
-dir=$runs/$name
-if [ -n "$name" ] && [ -d "$dir" ]; then
-  echo "exists 1"
-  if run_alive "$runs" "$name"; then echo "alive 1"; else echo "alive 0"; fi
-  for f in pid pgid started ended exit_code stopped code_version; do
-    [ -f "$dir/$f" ] && printf '%s %s\n' "$f" "$(head -c 300 "$dir/$f" | tr '\n' ' ')"
-  done
-  [ -f "$dir/train.log" ] && echo "mtime_log $(stat -c %Y "$dir/train.log")"
-  echo "free $(df -Pk -- "$dir" 2>/dev/null | awk 'NR == 2 { print $4 * 1024 }')"
-  [ -f "$dir/metrics.jsonl" ] && echo "mtime_metrics $(stat -c %Y "$dir/metrics.jsonl")"
-  [ -f "$dir/metrics.jsonl" ] && tail -n 20 "$dir/metrics.jsonl" | sed 's/^/metric /'
-  [ -f "$dir/eval.json" ] && echo "evaljson $(head -c 20000 "$dir/eval.json" | tr -d '\n')"
-  [ -f "$dir/train.log" ] && tail -n 40 "$dir/train.log" | cut -c1-2000 | sed 's/^/log /'
-else
-  echo "exists 0"
-fi
-if command -v nvidia-smi >/dev/null 2>&1; then
-  timeout 10 nvidia-smi --query-gpu=index,utilization.gpu,memory.used,memory.total \
-    --format=csv,noheader,nounits 2>&1 | sed 's/^/gpu /'
-fi
-echo "end"
-'''
+MAX_ANSWER = 8 << 20  # the verb's answer is a few kB; anything this big is not one
 
 
 @dataclass
@@ -60,6 +35,7 @@ class Gpu:
     utilization: int | None
     memory_used_mib: int | None
     memory_total_mib: int | None
+    temperature_c: int | None = None
 
 
 @dataclass
@@ -76,29 +52,68 @@ class RunStatus:
     tokens_per_s: float | None = None
     lr: float | None = None
     eval_loss: float | None = None
+    eval_step: int | None = None    # the last held-out evaluation's step
+    slot_accuracy: list | None = None  # the last train metric's per-slot accuracy (slots 1..bs-1)
+    checkpoint_step: int | None = None
+    checkpoint_age_s: int | None = None
+    free_runs: int | None = None    # bytes free on paths.runs' filesystem
+    free_shm: int | None = None     # bytes free on /dev/shm
     last_eval: dict | None = None   # the last `invoke eval` (eval.json): step, acceptance, speedup, ...
+    data_warnings: list = field(default_factory=list)  # data.json: answers not the target's, held-out overlap
     exit_code: str | None = None
     code_version: str | None = None
     gpus: list = field(default_factory=list)
     gpu_error: str | None = None
     findings: list = field(default_factory=list)  # [{key, title, runbook, line}]
+    last_error: str | None = None   # a crashed run's last error line (its log's tail)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=False)
 
+    def row(self) -> str:
+        """The compact status in a fan-out: run, state, step, loss, acceptance length (tau)."""
+        if self.state == "none":
+            return "no run yet"
+        state = self.state + (f" ({self.detail})" if self.detail else "")
+        findings = "".join(f"; {f['title']}: read {f['runbook']}" for f in self.findings)
+        return (f"run {self.run}: {state} | step {fmt(self.step, 'd')} | loss {fmt(self.loss, '.4f')} "
+                f"| tau {fmt(self.acceptance_length, '.2f')}{findings}")
 
-def _int(text):
-    try:
-        return int(str(text).strip())
-    except (TypeError, ValueError):
+
+def _int(value):
+    """An integer from a JSON int or a run file's text; None for anything else (bools, huge, junk)."""
+    if isinstance(value, bool):
         return None
+    if isinstance(value, str):
+        value = value.strip()
+        if not re.fullmatch(r"-?\d{1,19}", value):
+            return None
+        value = int(value)
+    return value if isinstance(value, int) and abs(value) < 1 << 63 else None
+
+
+def _num(value):
+    """A finite number of sane size from JSON, else None (strings, nulls, NaN, 1e999, 10**400)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if isinstance(value, int):
+        return value if abs(value) < 1 << 63 else None
+    return value if math.isfinite(value) and abs(value) < 1e300 else None
+
+
+def _text(value, cap=2000):
+    return value[:cap] if isinstance(value, str) else None
+
+
+def _texts(value, cap=2000, count=1000):
+    return [v[:cap] for v in value[-count:] if isinstance(v, str)] if isinstance(value, list) else []
 
 
 def _gpu(text: str) -> Gpu | None:
     parts = [p.strip() for p in text.split(",")]
-    if len(parts) != 4 or _int(parts[0]) is None:
+    if len(parts) not in (4, 5) or _int(parts[0]) is None:
         return None
-    return Gpu(_int(parts[0]), _int(parts[1]), _int(parts[2]), _int(parts[3]))
+    return Gpu(*(_int(p) for p in parts))
 
 
 def describe_exit(code: str | None) -> str:
@@ -115,50 +130,53 @@ def describe_exit(code: str | None) -> str:
     return f"exit {code}"
 
 
+def load_answer(text: str) -> dict:
+    """The verb's stdout -> its JSON object; ValueError (one line) for anything else."""
+    answer = facts.json_answer(text, "status facts are incomplete", MAX_ANSWER)
+    if "error" in answer:
+        raise ValueError(f"status failed in the container: {_text(answer.get('message'), 300)}")
+    return answer
+
+
 def parse_status(text: str, stall_after: float = DEFAULT_STALL_AFTER) -> RunStatus:
-    """Facts printed by STATUS_SCRIPT -> RunStatus. Pure; tested on recorded outputs."""
-    facts: dict[str, str] = {}
-    metrics, logs, gpus, gpu_errors = [], [], [], []
-    for raw in text.splitlines():
-        key, _, value = raw.rstrip("\r").partition(" ")
-        if key == "metric":
-            metrics.append(value)
-        elif key == "log":
-            logs.append(value)
-        elif key == "gpu":
-            g = _gpu(value)
-            (gpus.append(g) if g else gpu_errors.append(value))
-        elif key:
-            facts[key] = value.strip()
-    if "end" not in facts:
-        # A truncated answer (connection lost mid-way) must not look like a healthy run.
-        raise ValueError("status facts are incomplete (no end marker)")
-    name = facts.get("name") or None
+    """container_runs.status's answer -> RunStatus. Pure; tested on recorded and on arbitrary answers."""
+    facts_ = load_answer(text)
+    gpus, gpu_errors = [], []
+    for line in _texts(facts_.get("gpus"), 400, 64):
+        g = _gpu(line)
+        (gpus.append(g) if g else gpu_errors.append(line))
+    name = _text(facts_.get("name"), 200) or None
     st = RunStatus(run=name, state="none" if not name else "missing", gpus=gpus,
-                   gpu_error=" | ".join(gpu_errors) or None)
-    if facts.get("exists") != "1":
+                   gpu_error=" | ".join(gpu_errors) or None,
+                   free_runs=_int(facts_.get("free_runs")), free_shm=_int(facts_.get("free_shm")))
+    if facts_.get("exists") is not True:
         return st
-    now = _int(facts.get("now"))
-    started, ended = _int(facts.get("started")), _int(facts.get("ended"))
-    st.pid = _int(facts.get("pid"))
-    st.exit_code = facts.get("exit_code")
-    st.code_version = facts.get("code_version")
-    activity = [m for m in (_int(facts.get("mtime_log")), _int(facts.get("mtime_metrics")), started) if m]
+    files = facts_.get("files") if isinstance(facts_.get("files"), dict) else {}
+    file = {k: _text(files.get(k), 300)
+            for k in ("pid", "started", "ended", "exit_code", "stopped", "code_version")}
+    now = _int(facts_.get("now"))
+    _apply_checkpoint(st, facts_.get("checkpoint"), now)
+    started, ended = _int(file["started"]), _int(file["ended"])
+    st.pid = _int(file["pid"])
+    st.exit_code = file["exit_code"]
+    st.code_version = file["code_version"]
+    activity = [m for m in (_int(facts_.get("mtime_log")), _int(facts_.get("mtime_metrics")), started) if m]
     if now is not None and activity:
         st.idle_s = max(0, now - max(activity))
-    _apply_metrics(st, metrics)
-    st.last_eval = _last_eval(facts.get("evaljson"))
+    _apply_metrics(st, _texts(facts_.get("metrics"), 1 << 16, 200))
+    st.last_eval = _last_eval(facts_.get("eval"))
+    st.data_warnings = _data_warnings(facts_.get("data"))
+    logs = _texts(facts_.get("log"), 2000, 200)
     st.findings = [{"key": s.key, "title": s.title, "runbook": s.runbook, "line": line}
                    for s, line in signatures.scan(logs)]
-    free = _int(facts.get("free"))
+    free = _int(facts_.get("free"))
     if free is not None and free < LOW_SPACE and not any(f["key"] == "disk-full" for f in st.findings):
         # A full disk may have cut the log (and the wrapper's exit code) before any error line.
         sig = next(s for s in signatures.SIGNATURES if s.key == "disk-full")
         st.findings.append({"key": sig.key, "title": sig.title, "runbook": sig.runbook,
                             "line": f"{free} bytes free on the run directory's filesystem"})
 
-    alive = facts.get("alive") == "1"
-    if alive:
+    if facts_.get("alive") is True:
         st.uptime_s = now - started if now is not None and started else None
         if st.idle_s is not None and st.idle_s > stall_after:
             st.state = "stalled"
@@ -170,7 +188,7 @@ def parse_status(text: str, stall_after: float = DEFAULT_STALL_AFTER) -> RunStat
         return st
     if started and ended:
         st.uptime_s = ended - started
-    stopped = facts.get("stopped")
+    stopped = file["stopped"]
     if stopped is not None:
         st.state = "stopped"
         how = stopped.split()[0] if stopped.split() else ""
@@ -184,68 +202,143 @@ def parse_status(text: str, stall_after: float = DEFAULT_STALL_AFTER) -> RunStat
         st.state, st.detail = "crashed", "the training process never started"
     else:
         st.state, st.detail = "crashed", describe_exit(st.exit_code)
+    if st.state == "crashed":
+        st.last_error = last_error_line(logs)
     return st
+
+
+WRAPPER_LINE = re.compile(r"^dflash-ops: (launch |training process \d+ ended)")
+ERROR_LINE = re.compile(r"error|exception|killed|fatal|denied|no space|not found", re.I)
+
+
+def last_error_line(lines: list[str]) -> str | None:
+    """The line that says why a run died: the last one that reads like an error, else the last one."""
+    own = [ln for ln in lines if ln.strip() and not WRAPPER_LINE.match(ln)]
+    errors = [ln for ln in own if ERROR_LINE.search(ln)]
+    return (errors or own or [None])[-1]
 
 
 def _apply_metrics(st: RunStatus, lines: list[str]) -> None:
     train = evaluation = None
     for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue  # a line being written as we read it
-        if not isinstance(record, dict):
-            continue
+        record = _record(line)
+        if record is None:
+            continue  # a line being written as we read it, or not ours
         kind = record.get("kind", "train")
         if kind == "train":
             train = record
         elif kind == "eval":
             evaluation = record
-        if isinstance(record.get("step"), int):
-            st.step = max(st.step or 0, record["step"])
+        step = _int(record.get("step")) if not isinstance(record.get("step"), str) else None
+        if step is not None:
+            st.step = max(st.step or 0, step)
     if train:
-        st.loss = train.get("loss")
-        st.acceptance_length = train.get("acceptance_length")
-        st.tokens_per_s = train.get("tokens_per_s")
-        st.lr = train.get("lr")
+        st.loss = _num(train.get("loss"))
+        st.acceptance_length = _num(train.get("acceptance_length"))
+        st.tokens_per_s = _num(train.get("tokens_per_s"))
+        st.lr = _num(train.get("lr"))
+        slots = train.get("slot_accuracy")
+        st.slot_accuracy = [_num(a) for a in slots[:256]] if isinstance(slots, list) else None
     if evaluation:
-        st.eval_loss = evaluation.get("loss")
+        st.eval_loss = _num(evaluation.get("loss"))
+        st.eval_step = _int(evaluation.get("step")) if not isinstance(evaluation.get("step"), str) else None
 
 
-def _last_eval(text: str | None) -> dict | None:
-    """eval.json's headline numbers; None when absent or unreadable (being rewritten)."""
-    try:
-        record = json.loads(text) if text else None
-    except ValueError:
+def _apply_checkpoint(st: RunStatus, fact, now: int | None) -> None:
+    """{"latest": "step-30", "mtime": 1764420980}: the latest checkpoint's step and how
+    long ago it was written."""
+    if not isinstance(fact, dict) or not isinstance(fact.get("latest"), str):
+        return
+    latest = fact["latest"].strip()
+    if latest.startswith("step-"):
+        st.checkpoint_step = _int(latest[5:])
+        written = _int(fact.get("mtime")) if not isinstance(fact.get("mtime"), str) else None
+        if now is not None and written is not None:
+            st.checkpoint_age_s = max(0, now - written)
+
+
+def _record(line) -> dict | None:
+    """One JSON object from a line of a run file, or None (torn, foreign, too deep, not an object)."""
+    if not isinstance(line, str) or len(line) > 1 << 16:
         return None
-    keys = ("step", "acceptance_length", "tokens_per_target_forward", "speedup", "lossless", "prompts", "time")
-    return {k: record.get(k) for k in keys} if isinstance(record, dict) else None
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+EVAL_KEYS = {"step": _int, "acceptance_length": _num, "tokens_per_target_forward": _num, "speedup": _num,
+             "lossless": lambda v: v if isinstance(v, bool) else None, "prompts": _int, "time": _num}
+
+
+def _last_eval(text) -> dict | None:
+    """eval.json's headline numbers; None when absent or unreadable (being rewritten)."""
+    record = _record(text) if isinstance(text, str) and len(text) <= 20000 else None
+    if record is None:
+        return None
+    return {k: check(record.get(k)) if not isinstance(record.get(k), str) else None
+            for k, check in EVAL_KEYS.items()}
+
+
+def _data_warnings(text: str | None) -> list[str]:
+    """data.json's warnings (strings only, a few, each cut to one line of 300 characters)."""
+    record = _record(text) if isinstance(text, str) else None
+    warnings = record.get("warnings") if isinstance(record, dict) else None
+    return [w[:300] for w in warnings[:4] if isinstance(w, str)] if isinstance(warnings, list) else []
 
 
 def describe_eval(last: dict) -> str:
     lossless = "lossless" if last.get("lossless") else "NOT LOSSLESS"
-    return (f"acceptance {_fmt(last.get('acceptance_length'), '.2f')}, "
-            f"{_fmt(last.get('tokens_per_target_forward'), '.2f')} tokens/target forward, speedup "
-            f"{_fmt(last.get('speedup'), '.2f')}x, {lossless} (step {last.get('step')}, "
+    return (f"acceptance {fmt(last.get('acceptance_length'), '.2f')}, "
+            f"{fmt(last.get('tokens_per_target_forward'), '.2f')} tokens/target forward, speedup "
+            f"{fmt(last.get('speedup'), '.2f')}x, {lossless} (step {last.get('step')}, "
             f"{last.get('prompts')} prompts)")
 
 
-def status_argv(runs: str, run: str | None) -> list[str]:
-    return commands.sh_script(STATUS_SCRIPT, runs, run or "")
+def status_line(ct, run: str | None) -> str:
+    return facts.runs_line(ct, "status", {"runs": ct.paths.runs, "name": run})
 
 
 def gather(t, run: str | None = None, stall_after: float = DEFAULT_STALL_AFTER) -> RunStatus | None:
     """One round trip: the facts of --run (or the latest run) and the GPUs. None in a dry run."""
+    from .errors import RemoteCommandFailed
+
     ct = t.container
     name = jobs.validate_run_name(run) if run is not None else None
-    result = t.session.exec(ct, status_argv(ct.paths.runs, name))
+    result = t.session.run_in(ct, status_line(ct, name))
     if t.dry_run:
         return None
-    return parse_status(result.stdout, stall_after)
+    try:
+        return parse_status(result.stdout, stall_after)
+    except ValueError as exc:
+        raise RemoteCommandFailed(f"{ct.label}: {exc}") from None
 
 
 STATE_STYLE = {"running": "green", "finished": "bold green", "stalled": "bold yellow", "crashed": "bold red",
                "stopped": "yellow", "none": "dim", "missing": "red"}
+
+
+def fan_out(targets: list, run: str | None, stall_after: float, as_json: bool) -> None:
+    """`status --group`: one compact row per container; with --json the rows' facts as one JSON
+    object {container: facts} on stdout, and the table on stderr."""
+    collected: dict = {}
+
+    def row(t):
+        st = gather(t, run, stall_after)
+        if st is None:  # dry run
+            return "dry run"
+        collected[t.container.label] = st
+        return st.row()
+
+    if not as_json:
+        fanout.for_each(targets, row, title="status")
+        return
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            fanout.for_each(targets, row, title="status")
+    finally:
+        print(json.dumps({label: asdict(st) for label, st in sorted(collected.items())}, indent=2))
 
 
 def _fmt_duration(seconds) -> str:
@@ -257,46 +350,56 @@ def _fmt_duration(seconds) -> str:
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
 
 
-def _fmt(value, spec=".4g") -> str:
-    return "-" if value is None else format(value, spec)
+def fmt(value, spec=".4g") -> str:
+    """A number for a table cell; `-` for anything that is not one (missing, or text from a hostile file)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "-"
+    try:
+        return format(value, spec)
+    except (ValueError, OverflowError):  # `d` of a float, or a float too large for `,.0f`
+        return format(float(value), ".4g")
 
 
 def render(st: RunStatus, label: str, console=None) -> None:
     """The human view: a rich table of the run, one of the GPUs, and the runbook to read."""
-    from rich.console import Console
-    from rich.markup import escape
     from rich.table import Table
 
-    console = console or Console()
-    table = Table(title=f"{label}: run {st.run or '(none)'}", show_header=False)
+    escape = terminal.markup  # every value below was read in the container
+    console = console or terminal.console()
+    table = Table(title=f"{label}: run {escape(st.run or '(none)')}", show_header=False)
     table.add_column("fact", style="bold")
     table.add_column("value")
     style = STATE_STYLE.get(st.state, "")
-    table.add_row("state", f"[{style}]{st.state}[/{style}]" + (f" ({st.detail})" if st.detail else ""))
-    table.add_row("pid", _fmt(st.pid, "d"))
+    table.add_row("state", (f"[{style}]{escape(st.state)}[/{style}]" if style else escape(st.state))
+                  + (f" ({escape(st.detail)})" if st.detail else ""))
+    table.add_row("pid", fmt(st.pid, "d"))
     table.add_row("uptime", _fmt_duration(st.uptime_s))
     table.add_row("last activity", "-" if st.idle_s is None else f"{_fmt_duration(st.idle_s)} ago")
-    table.add_row("step", _fmt(st.step, "d"))
-    table.add_row("loss", _fmt(st.loss))
-    table.add_row("acceptance length", _fmt(st.acceptance_length, ".3f"))
-    table.add_row("tokens/s", _fmt(st.tokens_per_s, ",.0f"))
-    table.add_row("lr", _fmt(st.lr, ".3g"))
+    table.add_row("step", fmt(st.step, "d"))
+    table.add_row("loss", fmt(st.loss))
+    table.add_row("teacher-forced acceptance", fmt(st.acceptance_length, ".3f"))
+    table.add_row("tokens/s", fmt(st.tokens_per_s, ",.0f"))
+    table.add_row("lr", fmt(st.lr, ".3g"))
     if st.eval_loss is not None:
-        table.add_row("held-out loss", _fmt(st.eval_loss))
+        table.add_row("held-out loss", fmt(st.eval_loss))
     if st.last_eval:
         table.add_row("last dflash eval", escape(describe_eval(st.last_eval)))
-    table.add_row("code version", st.code_version or "-")
+    for warning in st.data_warnings:
+        table.add_row("[yellow]data warning[/yellow]", escape(warning))
+    table.add_row("code version", escape(st.code_version or "-"))
+    if st.last_error:
+        table.add_row("last error", escape(st.last_error))
     console.print(table)
     if st.gpus:
         gpus = Table(title="GPUs")
         for col in ("GPU", "util %", "memory used MiB", "memory total MiB"):
             gpus.add_column(col, justify="right")
         for g in st.gpus:
-            gpus.add_row(str(g.index), _fmt(g.utilization, "d"), _fmt(g.memory_used_mib, "d"),
-                         _fmt(g.memory_total_mib, "d"))
+            gpus.add_row(str(g.index), fmt(g.utilization, "d"), fmt(g.memory_used_mib, "d"),
+                         fmt(g.memory_total_mib, "d"))
         console.print(gpus)
     if st.gpu_error:
-        console.print(f"[yellow]nvidia-smi: {st.gpu_error}[/yellow]")
+        console.print(f"[yellow]nvidia-smi: {escape(st.gpu_error)}[/yellow]")
     for f in st.findings:
         console.print(f"[bold red]{escape(f['title'])}[/bold red]: read {escape(f['runbook'])}"
                       + (f"\n  {escape(f['line'])}" if f["line"] else ""), highlight=False)

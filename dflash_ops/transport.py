@@ -10,17 +10,28 @@ import base64
 import hashlib
 import logging
 import os
+import re
 import socket
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
 
 import paramiko
 from fabric import Config, Connection
+from fabric.runners import Remote
 from invoke.exceptions import CommandTimedOut
 
-from . import commands
-from .errors import (AuthFailed, ContainerMissing, ContainerStopped, HostKeyChanged, HostKeyUnknown,
-                     HostUnreachable, RemoteCommandFailed, UnsafeValue)
+from . import commands, localfiles
+from .errors import (
+    AuthFailed,
+    ContainerMissing,
+    ContainerStopped,
+    HostKeyChanged,
+    HostKeyUnknown,
+    HostUnreachable,
+    RemoteCommandFailed,
+    SudoRefused,
+    UnsafeValue,
+)
 from .inventory import Container, Host
 
 DEFAULT_CONNECT_TIMEOUT = 10.0
@@ -32,6 +43,15 @@ logging.getLogger("paramiko").addHandler(logging.NullHandler())
 # packet size as a reset connection that looked like a network fault.
 MAX_LINE_BYTES = 131072 - 1
 STDERR_TAIL_LINES = 5
+
+
+class LinearRemote(Remote):
+    """Invoke's runner joins the whole captured output on every chunk read to feed its watchers:
+    quadratic in the output's size (a 16 MiB log took 47 s). We give it no watchers, so skip that."""
+
+    def respond(self, buffer_):
+        if self.watchers:
+            super().respond(buffer_)
 
 
 @dataclass
@@ -66,15 +86,69 @@ def stderr_tail(stderr: str, lines: int = STDERR_TAIL_LINES) -> str:
     return " | ".join(kept)
 
 
-def classify_container_failure(ct: Container, result: Result):
-    """Map pct's own messages to container errors (exit 255 is also a legal exit code of the command)."""
-    err = result.stderr
-    if f"lxc/{ct.ctid}.conf' does not exist" in err:
+# pct's own refusals (pve-container 6.x; docs/design.md, "The pct contract"), told from a command's by
+# the whole last line pct prints AND its exit code: a command in the container may print anything and
+# exit with any code. Exit codes are Perl's for an uncaught die: errno when set, else 255.
+MISSING_EXITS = (2, 255)     # load_config's failed read leaves ENOENT (inferred); 255 if errno is unset
+NOT_RUNNING_EXITS = (255,)
+TRANSFER_REFUSED = re.compile(r"can only push files to a running CT"
+                              r"|can only pull files from a running VM( at \S+ line \d+\.)?")
+PUSH_CHECK_FAILED = re.compile(r"^dflash-push: (\S+) (\S+)$", re.M)
+
+
+def last_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.replace("\r", "").splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
+def pct_said(result: Result, pty: bool = False) -> str:
+    """pct's last line: on stderr, or on stdout for a command run on a pty (the pty carries both)."""
+    return last_line(result.stdout if pty else result.stderr)
+
+
+def classify_container_failure(ct: Container, result: Result, pty: bool = False):
+    """Map pct's refusals of exec and status to container errors (None: the command's own failure)."""
+    said = pct_said(result, pty)
+    if (re.fullmatch(rf"Configuration file 'nodes/[^/']+/lxc/{ct.ctid}\.conf' does not exist", said)
+            and result.exited in MISSING_EXITS):
         return ContainerMissing(f"container {ct.ctid} does not exist on host {ct.host.name} "
-                                f"(pct: Configuration file ... lxc/{ct.ctid}.conf does not exist); check the inventory")
-    if f"container '{ct.ctid}' not running" in err:
+                                f"(pct: Configuration file ... lxc/{ct.ctid}.conf does not exist); check "
+                                "the inventory")
+    if said == f"container '{ct.ctid}' not running!" and result.exited in NOT_RUNNING_EXITS:
         return ContainerStopped(f"container {ct.ctid} on host {ct.host.name} is stopped; "
                                 f"start it with `pct start {ct.ctid}` on the host")
+    return None
+
+
+def transfer_refused(said: str, exited: int | None) -> bool:
+    """pct push/pull's refusal, the same words for a stopped and a missing container."""
+    return bool(TRANSFER_REFUSED.fullmatch(last_line(said))) and exited in NOT_RUNNING_EXITS
+
+
+def push_failure(ct: Container, result: Result, what: str, size: int):
+    """What `commands.pct_push_verified` found when the pushed file was not whole (None: it was).
+    A real `pct push` exits 0 when it fails and writes short without a word on a full disk."""
+    found = PUSH_CHECK_FAILED.search(result.stdout)
+    if result.exited != commands.PUSH_CHECK_EXIT or found is None:
+        return None
+    said = stderr_tail(result.stderr)
+    if said:
+        return RemoteCommandFailed(f"{ct.label}: pct push of {what} failed: {said}; nothing changed in "
+                                   "the container",
+                                   exited=result.exited, stderr_tail=said)
+    got = found.group(1) if found.group(1).isdigit() else "0"
+    return RemoteCommandFailed(f"{ct.label}: pct push of {what} wrote {got} of {size} bytes and said "
+                               "nothing (a full disk in the container?); nothing changed in the container",
+                               exited=result.exited)
+
+
+def classify_become_failure(host: Host, result: Result, pty: bool = False):
+    """`become: sudo` runs `sudo -n pct`: a sudo that would ask for a password fails at once with
+    its own line (also when the user may not run pct at all): one clear error, never a prompt."""
+    if host.become == "sudo" and pct_said(result, pty) == "sudo: a password is required":
+        return SudoRefused(f"{host.name}: sudo wants a password for user {host.user} to run {host.pct} "
+                           f"(become: sudo runs `sudo -n {host.pct}`, which never prompts); allow it without "
+                           f"one in sudoers, e.g. `{host.user} ALL=(root) NOPASSWD: /usr/sbin/pct`")
     return None
 
 
@@ -93,6 +167,7 @@ class HostSession:
         self.connections = 0
         self.round_trips = 0
         self._conn: Connection | None = None
+        self._locale_checked = False
 
     # --- connection -----------------------------------------------------------------------------
     def _connection(self, host: Host, gateway: Connection | None = None) -> Connection:
@@ -104,13 +179,16 @@ class HostSession:
             "allow_agent": host.key is None,
         }
         if host.key:
+            localfiles.check_private_key(os.path.expanduser(host.key))  # as OpenSSH: 0600 or refused
             connect_kwargs["key_filename"] = [host.key]
         conn = Connection(host.address, user=host.user, port=host.port, gateway=gateway,
-                          config=Config(overrides={"load_ssh_configs": False}),
+                          config=Config(overrides={"load_ssh_configs": False,
+                                                   "runners": {"remote": LinearRemote}}),
                           connect_kwargs=connect_kwargs)
         conn.client.set_missing_host_key_policy(paramiko.RejectPolicy())
         known = os.path.expanduser(host.known_hosts)
         if os.path.exists(known):
+            localfiles.check_file(known, localfiles.KNOWN_HOSTS_MAX, "known_hosts file")
             conn.client.load_host_keys(known)
         return conn
 
@@ -131,8 +209,9 @@ class HostSession:
                 raise HostKeyUnknown(f"host key of {where} is not pinned in {host.known_hosts}; "
                                      f"refusing to trust it blindly: " + trust_hint(host)) from None
             raise HostUnreachable(f"cannot talk SSH to {where}: {exc}") from None
-        except (socket.timeout, TimeoutError) as exc:
-            raise HostUnreachable(f"cannot reach {where}: timed out after {self.connect_timeout:g} s") from exc
+        except TimeoutError as exc:
+            raise HostUnreachable(f"cannot reach {where}: timed out after "
+                                  f"{self.connect_timeout:g} s") from exc
         except (OSError, EOFError, paramiko.ssh_exception.NoValidConnectionsError) as exc:
             reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
             raise HostUnreachable(f"cannot reach {where}: {reason}") from None
@@ -181,48 +260,85 @@ class HostSession:
         except CommandTimedOut:
             raise RemoteCommandFailed(f"{self.host.name}: command timed out after {timeout:g} s: "
                                       f"{self.shown(line)[:200]}") from None
-        except (socket.error, EOFError, paramiko.SSHException) as exc:
+        except (OSError, EOFError, paramiko.SSHException) as exc:
             self._conn = None
-            raise HostUnreachable(f"connection to {self.host.name} lost: {exc or type(exc).__name__}") from None
+            raise HostUnreachable(f"connection to {self.host.name} lost: "
+                                  f"{exc or type(exc).__name__}") from None
         result = Result(line=line, stdout=r.stdout, stderr=r.stderr, exited=r.exited)
         if check and not result.ok:
             raise RemoteCommandFailed(
-                f"{self.host.name}: exit {result.exited}: {self.shown(stderr_tail(result.stderr)) or '(no stderr)'}",
+                f"{self.host.name}: exit {result.exited}: "
+                f"{self.shown(stderr_tail(result.stderr)) or '(no stderr)'}",
                 exited=result.exited, stderr_tail=stderr_tail(result.stderr))
         return result
 
     def exec(self, ct: Container, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
              cwd: str | None = None, check: bool = True, **kwargs) -> Result:
         """Run argv inside container `ct` (same host) and classify pct's own failures."""
-        line = commands.pct_exec(ct.ctid, argv, env=env, cwd=cwd, pct=ct.host.pct)
+        line = commands.pct_exec(ct.ctid, argv, env=env, cwd=cwd, pct=ct.host.pct_command)
         return self.run_in(ct, line, check=check, **kwargs)
 
-    def run_in(self, ct: Container, line: str, *, check: bool = True, **kwargs) -> Result:
-        """Run a host line that addresses container `ct` (pct exec/push/pull), mapping pct's errors."""
+    def run_in(self, ct: Container, line: str, *, check: bool = True, explain=None, **kwargs) -> Result:
+        """Run a host line that addresses container `ct` (pct exec/push/pull), mapping pct's errors.
+        `explain(result)`: the caller's own error for a failed result, or None (then the usual one)."""
+        if not line.isascii():
+            self.check_pct_locale(ct)
         result = self.run(line, check=False, **kwargs)
         if not result.ok:
-            container_error = classify_container_failure(ct, result)
+            pty = bool(kwargs.get("pty"))
+            container_error = (classify_become_failure(ct.host, result, pty)
+                               or classify_container_failure(ct, result, pty))
+            if container_error is None and transfer_refused(pct_said(result, pty), result.exited):
+                container_error = self.container_state(ct, during=False)
             if container_error is None and result.exited > 128:
-                container_error = self.container_gone(ct)
+                container_error = self.container_state(ct)
             if container_error is not None:
                 raise container_error
             if check and result.exited == -1:  # paramiko's "no exit status": the connection dropped
                 self._conn = None
-                raise HostUnreachable(f"connection to {self.host.name} lost while a command ran in {ct.label} "
-                                      f"(no exit status came back); check with `invoke status` or "
+                raise HostUnreachable(f"connection to {self.host.name} lost while a command ran in "
+                                      f"{ct.label} (no exit status came back); check with `invoke status` or "
                                       f"`invoke doctor`, then run the task again")
+            if explain is not None and (own := explain(result)) is not None:
+                raise own
             if check:
                 raise RemoteCommandFailed(
-                    f"{ct.label}: exit {result.exited}: {self.shown(stderr_tail(result.stderr)) or '(no stderr)'}",
+                    f"{ct.label}: exit {result.exited}: "
+                    f"{self.shown(stderr_tail(result.stderr)) or '(no stderr)'}",
                     exited=result.exited, stderr_tail=stderr_tail(result.stderr))
         return result
 
-    def container_gone(self, ct: Container):
-        """After a command killed by a signal: ContainerStopped/Missing if the container went away under it."""
-        probe = self.run(commands.shell_line([ct.host.pct, "status", str(ct.ctid)]), check=False)
+    def check_pct_locale(self, ct: Container) -> None:
+        """Before the first line with non-ASCII characters: does pct pass them on unchanged? pct
+        decodes its arguments with its locale (commands.PCT_LOCALE here); where that locale is not
+        installed, or sudo drops LC_ALL, each non-ASCII byte would become U+FFFD in the container.
+        One round trip per session, only for such lines; a failure other than the answer is left
+        to the command itself."""
+        if self._locale_checked or self.dry_run:
+            return
+        sample = "ü€"
+        probe = self.run(commands.pct_exec(ct.ctid, ["printf", "%s", sample], pct=ct.host.pct_command),
+                         check=False)
+        if probe.ok and probe.stdout != sample:
+            raise UnsafeValue(
+                f"{self.host.name}: pct would turn non-ASCII characters into U+FFFD ({sample!r} arrived as "
+                f"{probe.stdout[:40]!r}): LC_ALL={commands.PCT_LOCALE} did not reach pct; install that "
+                f"locale on the host (Debian: package locales), or with become: sudo keep LC_ALL in "
+                f"sudoers' env_keep; or use ASCII values")
+        self._locale_checked = probe.ok
+
+    def container_state(self, ct: Container, during: bool = True):
+        """ContainerStopped/Missing from `pct status`, or None when it runs. `during`: it went away under a
+        command (killed by a signal); else pct refused a push or pull."""
+        probe = self.run(commands.pct_line(ct.host.pct_command, "status", str(ct.ctid)), check=False)
         if "status: stopped" in probe.stdout:
-            return ContainerStopped(f"container {ct.ctid} on host {ct.host.name} stopped while the command ran; "
-                                    f"start it with `pct start {ct.ctid}` on the host, then check `invoke status`")
+            if during:
+                return ContainerStopped(f"container {ct.ctid} on host {ct.host.name} stopped while the "
+                                        f"command ran; start it with `pct start {ct.ctid}` on the host, "
+                                        "then check `invoke status`")
+            return ContainerStopped(f"container {ct.ctid} on host {ct.host.name} is stopped (pct: can "
+                                    "only push/pull files to a running CT); start it with `pct start "
+                                    f"{ct.ctid}` on the host")
         return classify_container_failure(ct, probe)
 
     # --- files (SFTP to the host; pct push/pull moves them in and out of containers) -----------
@@ -237,7 +353,7 @@ class HostSession:
                 fh.set_pipelined(True)
                 fh.write(data)
             sftp.chmod(host_path, mode)
-        except (socket.error, EOFError, paramiko.SSHException) as exc:
+        except (OSError, EOFError, paramiko.SSHException) as exc:
             self._conn = None
             raise HostUnreachable(f"connection to {self.host.name} lost while sending {len(data)} bytes to "
                                   f"{host_path}: {str(exc) or type(exc).__name__}; nothing was changed in a "
@@ -253,7 +369,44 @@ class HostSession:
             with sftp.open(host_path, "rb") as fh:
                 fh.prefetch()
                 return fh.read()
-        except (socket.error, EOFError, paramiko.SSHException) as exc:
+        except (OSError, EOFError, paramiko.SSHException) as exc:
+            self._conn = None
+            raise HostUnreachable(f"connection to {self.host.name} lost while reading {host_path}: "
+                                  f"{str(exc) or type(exc).__name__}") from None
+
+    def iter_file(self, host_path: str, *, block: int = 1 << 20,
+                  stall_timeout: float = 60.0) -> Iterator[bytes]:
+        """A host file's bytes as they come (`cat` on its own channel): memory stays bounded by the SSH
+        window whatever the file's size (paramiko's SFTP prefetch buffers ahead of a slow reader).
+        No byte for `stall_timeout` seconds: HostUnreachable; `cat` failing: RemoteCommandFailed."""
+        line = commands.shell_line(["cat", "--", host_path])
+        if self.dry_run:
+            self.echo(self.shown(line))
+            return
+        try:
+            transport = self.connect().transport
+            channel = transport.open_session()
+            self.round_trips += 1
+            # paramiko's own rekey (every 512 MiB) can deadlock against a session channel being read
+            # ("Key-exchange timed out waiting for key negotiation", paramiko#822, seen here at 512 MiB):
+            # while streaming, only sshd starts a rekey (its RekeyLimit), as the issue's workaround says.
+            packetizer = transport.packetizer
+            packetizer.REKEY_BYTES = packetizer.REKEY_PACKETS = 1 << 40
+            try:
+                channel.settimeout(stall_timeout)
+                channel.exec_command(line)
+                while data := channel.recv(block):
+                    yield data
+                exited = channel.recv_exit_status()
+                if exited != 0:
+                    err = channel.recv_stderr(4096).decode("utf-8", "replace")
+                    raise RemoteCommandFailed(f"{self.host.name}: reading {host_path} failed (exit "
+                                              f"{exited}): {stderr_tail(err) or '(no stderr)'}",
+                                              exited=exited)
+            finally:
+                channel.close()
+                del packetizer.REKEY_BYTES, packetizer.REKEY_PACKETS  # paramiko's defaults again
+        except (OSError, EOFError, paramiko.SSHException) as exc:
             self._conn = None
             raise HostUnreachable(f"connection to {self.host.name} lost while reading {host_path}: "
                                   f"{str(exc) or type(exc).__name__}") from None
@@ -275,6 +428,7 @@ def pin_host_key(host: Host, key: paramiko.PKey) -> str:
     path = os.path.expanduser(host.known_hosts)
     keys = paramiko.HostKeys()
     if os.path.exists(path):
+        localfiles.check_file(path, localfiles.KNOWN_HOSTS_MAX, "known_hosts file")
         keys.load(path)
     name = known_hosts_name(host)
     if name in keys:

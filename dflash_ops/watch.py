@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import time
 
-from . import jobs, status as status_mod
+from . import jobs, terminal
+from . import status as status_mod
 from .errors import DflashOpsError
 
 
 def _view(st, label: str, width: int):
-    from rich.console import Console
     from rich.text import Text
 
-    console = Console(force_terminal=True, color_system="truecolor", width=width)
+    console = terminal.console(force_terminal=True, color_system="truecolor", width=width)
     with console.capture() as captured:
         status_mod.render(st, label, console=console)
     return Text.from_ansi(captured.get())
@@ -48,7 +48,8 @@ def watch(t, run: str | None = None, stall_after: float = status_mod.DEFAULT_STA
                                 f"watching (the run goes on)", style="dim")
                     good += 1
                 except DflashOpsError as exc:  # keep the last good view, say why it is stale
-                    note = Text(f"{time.strftime('%H:%M:%S')} refresh failed: {exc}", style="bold red")
+                    note = Text(f"{time.strftime('%H:%M:%S')} refresh failed: {terminal.visible(str(exc))}",
+                                style="bold red")
                 live.update(Group(body, note), refresh=True)
                 if iterations is not None and count >= iterations:
                     break

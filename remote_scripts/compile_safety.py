@@ -1,6 +1,6 @@
 """torch.compile that is safe to call from several drafter threads of one process.
 
-Why (see ../shared/research/torch-compile-threads.md): the wrapper returned by torch.compile checks,
+Why (docs/research/torch-compile-threads.md in the repository): the wrapper returned by torch.compile checks,
 on every call, a process-wide FX-tracing flag that any other thread's compile may have set
 (`Tracer.trace`), and dynamo itself is not thread-safe. Concurrent calls crashed with "Detected
 that you are using FX to symbolically trace a dynamo-optimized function" or hung. Locking only the

@@ -1,7 +1,7 @@
-"""Chat JSONL -> token ids + assistant loss mask, and a resumable batch sampler.
+"""Conversations -> token ids + assistant loss mask, and a resumable batch sampler.
 
-Rows are `{"id", "conversations": [{"role"|"from", "content"|"value"}]}`. Conversations are
-rendered with the target tokenizer's chat template; the loss mask covers the assistant turns
+Rows are read by chat_formats (ShareGPT, OpenAI messages, ours; several file types). Conversations
+are rendered with the target tokenizer's chat template; the loss mask covers the assistant turns
 (from just after `assistant_header` up to and including `end_of_turn`), found in the rendered
 text and mapped to tokens through the tokenizer's offsets. Batches are padded to the fixed
 max_length so that every step has the same shapes (one compiled graph, no recompiles).
@@ -9,40 +9,20 @@ max_length so that every step has the same shapes (one compiled graph, no recomp
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 
+import provenance
 import torch
+from chat_formats import DataError, Row, prompt_key, read_dataset
 
-ROLE_NAMES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-              "system": "system", "model": "assistant"}
-
-
-class DataError(ValueError):
-    pass
+__all__ = ["DataError", "Row", "read_conversations", "load_examples", "data_report", "collate",
+           "Sampler"]
+OVERLAP_WARN_FRACTION = 0.01
 
 
-def read_conversations(path: str) -> list[list[dict]]:
-    if not os.path.isfile(path):
-        raise DataError(f"data file not found: {path}")
-    conversations = []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                turns = [{"role": ROLE_NAMES[t.get("role", t.get("from"))],
-                          "content": t.get("content", t.get("value"))}
-                         for t in row["conversations"]]
-            except (ValueError, KeyError, TypeError, AttributeError) as exc:
-                raise DataError(f"{path}:{number}: not a chat row "
-                                f"({type(exc).__name__}: {exc})") from None
-            conversations.append(turns)
-    if not conversations:
-        raise DataError(f"{path}: no conversations")
-    return conversations
+def read_conversations(path: str, max_bad_fraction: float = 0.05, log=None) -> list[list[dict]]:
+    """The turns of every usable row of a file or shard directory (any format chat_formats reads)."""
+    return [row.turns for row in read_dataset(path, max_bad_fraction, log=log)]
 
 
 def assistant_spans(text: str, header: str, end: str) -> list[tuple[int, int]]:
@@ -69,18 +49,45 @@ def tokenize_conversation(tokenizer, turns, header: str, end: str, max_length: i
 class Example:
     input_ids: list[int]
     loss_mask: list[int]
+    prompt: str = ""  # chat_formats.prompt_key: the held-out overlap check
 
 
-def load_examples(path: str, tokenizer, header: str, end: str, max_length: int) -> list[Example]:
+def load_examples(path: str, tokenizer, header: str, end: str, max_length: int,
+                  max_bad_fraction: float = 0.05, log=None) -> list[Example]:
     examples = []
-    for turns in read_conversations(path):
+    for turns in read_conversations(path, max_bad_fraction, log):
         ids, mask = tokenize_conversation(tokenizer, turns, header, end, max_length)
         if sum(mask[:-1]) > 0:  # an anchor needs a masked token with one after it
-            examples.append(Example(ids, mask))
+            examples.append(Example(ids, mask, prompt_key(turns)))
     if not examples:
         raise DataError(f"{path}: no conversation has assistant tokens (assistant_header "
                         f"{header!r} not found in the rendered chat template?)")
     return examples
+
+
+def data_report(paths: list[str], target_path: str, train: list[Example], heldout: list[Example],
+                require_target_answers: bool = False) -> dict:
+    """What training says about its data at start: whose answers it holds (provenance.py) and how
+    many held-out prompts also appear in training. Raises DataError when the answers are not this
+    target's and require_target_answers is set."""
+    target_print = provenance.fingerprint(target_path)
+    reasons = [r for p in paths if (r := provenance.answers_not_from(p, target_path, target_print))]
+    report = {"target_answers": not reasons, "warnings": []}
+    if reasons:
+        line = f"{provenance.NOT_THIS_TARGET} ({'; '.join(reasons)})"
+        if require_target_answers:
+            raise DataError(f"{line}; data.require_target_answers is set: regenerate the data with "
+                            f"this target (`invoke regenerate`)")
+        report["warnings"].append(line)
+    if heldout:
+        seen = {e.prompt for e in train}
+        common = sum(e.prompt in seen for e in heldout)
+        report["heldout_overlap"] = {"in_train": common, "heldout": len(heldout)}
+        if common > OVERLAP_WARN_FRACTION * len(heldout):
+            report["warnings"].append(
+                f"{common} of {len(heldout)} held-out prompts ({common / len(heldout):.0%}) also "
+                f"appear in data.train: held-out metrics flatter the drafter")
+    return report
 
 
 def collate(examples: list[Example], max_length: int, pad_id: int):

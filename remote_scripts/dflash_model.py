@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -381,14 +381,14 @@ def merge_stats(parts: list[dict]) -> dict:
     for part in parts:
         for key in ("slot_correct", "slot_count"):
             merged[key] = list(part[key]) if merged[key] is None else \
-                [a + b for a, b in zip(merged[key], part[key])]
+                [a + b for a, b in zip(merged[key], part[key], strict=True)]
         merged["accept_sum"] += part["accept_sum"]
         merged["blocks"] += part["blocks"]
     return merged
 
 
 def slot_accuracy(stats: dict) -> list[float]:
-    return [c / n if n else 0.0 for c, n in zip(stats["slot_correct"], stats["slot_count"])]
+    return [c / n if n else 0.0 for c, n in zip(stats["slot_correct"], stats["slot_count"], strict=True)]
 
 
 def acceptance_length(stats: dict) -> float:

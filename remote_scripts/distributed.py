@@ -115,7 +115,9 @@ class DistributedNode(Node):
             dist.all_reduce(flat)
             flat /= self.world_size
             for worker in workers:
-                for p, mean in zip(worker.params[start:end], torch._utils._unflatten_dense_tensors(flat, grads)):
+                for p, mean in zip(worker.params[start:end],
+                                   torch._utils._unflatten_dense_tensors(flat, grads),
+                                   strict=True):
                     if p.grad is None:
                         p.grad = mean.to(p.device, copy=True)
                     else:
@@ -177,7 +179,8 @@ def maybe_init_distributed(device: str, local_workers: int, stop=None) -> Node:
         torch.cuda.set_device(device)
     # The first collective waits for the slowest node's start-up (compile warm-up included).
     timeout = datetime.timedelta(seconds=float(os.environ.get("DFLASH_DIST_TIMEOUT_S", "1800")))
-    dist.init_process_group(backend, timeout=timeout, device_id=torch.device(device) if backend == "nccl" else None)
+    dist.init_process_group(backend, timeout=timeout,
+                            device_id=torch.device(device) if backend == "nccl" else None)
     node = DistributedNode(local_workers, stop)
     log.info("distributed: rank %d of %d (%s, rendezvous %s:%s), %d drafter worker(s) per node, %d in all; "
              "checkpoints by rank 0", node.rank, node.world_size, backend, os.environ.get("MASTER_ADDR"),

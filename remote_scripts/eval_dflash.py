@@ -6,8 +6,9 @@
 Loads the checkpoint with `dflash.model.DFlashDraftModel.from_pretrained` (refused if any key is
 missing or unexpected) and the target named by the run's resolved config.yaml, then decodes each
 held-out prompt twice, greedily: plain (one target forward per token) and speculatively with
-`dflash.model.dflash_generate`. Reports whether every speculative output equals the plain one
-(lossless), the mean acceptance length (tokens a verification step yields, the bonus token
+`dflash.model.dflash_generate`. Prompts come from the held-out file only: any whose prompt also
+appears in the run's training data is skipped (and counted). Reports whether every speculative output equals
+the plain one (lossless), the mean acceptance length (tokens a verification step yields, the bonus token
 included, as dflash's own stats count it), tokens per target forward, and the wall-clock speedup.
 Writes RUN/eval.json (atomically) and appends the same record to RUN/evals.jsonl; the last stdout
 line is `RESULT <json>`. Exit 0; 3 if the outputs differ (not lossless); 2 on bad input.
@@ -26,13 +27,11 @@ import os
 import sys
 import time
 
+import checkpoints
+import target_model
 import torch
 import yaml
-
-import checkpoints
-from dflash_data import DataError
-from regenerate_data import (DTYPES, chat_prompt_ids, greedy_generate, load_target, read_rows,
-                             stop_token_ids)
+from chat_formats import DataError, prompt_key, read_dataset
 from train_config import ConfigError, config_from_tree, resolve_path
 
 EXIT_NOT_LOSSLESS, EXIT_BAD_INPUT = 3, 2
@@ -66,16 +65,26 @@ def run_config(run_dir: str):
         return config_from_tree(yaml.safe_load(f), source=path)
 
 
-def prompt_ids(tokenizer, path: str, count: int) -> list[list[int]]:
-    """The first `count` conversations, cut before their first assistant turn."""
-    prompts = []
-    for row in read_rows(path):
-        turns = row["conversations"]
-        first = next((i for i, t in enumerate(turns) if t["role"] == "assistant"), len(turns))
+def prompt_ids(tokenizer, path: str, count: int, train_path: str | None = None,
+               log=print) -> list[list[int]]:
+    """The first `count` conversations whose prompt is not in the training data, cut before their
+    first assistant turn (a prompt the drafter trained on would flatter it)."""
+    trained = {prompt_key(r.turns) for r in read_dataset(train_path)} if train_path else set()
+    prompts, skipped = [], 0
+    for row in read_dataset(path, log=lambda line: log(f"prompts: {line}")):
+        if prompt_key(row.turns) in trained:
+            skipped += 1
+            continue
+        first = next(i for i, t in enumerate(row.turns) if t["role"] == "assistant")
         if first > 0:
-            prompts.append(chat_prompt_ids(tokenizer, turns[:first]))
+            prompts.append(target_model.chat_prompt_ids(tokenizer, row.turns[:first]))
         if len(prompts) == count:
             break
+    if skipped:
+        log(f"prompts: skipped {skipped} that also appear in the training data ({train_path})")
+    if not prompts:
+        raise EvalError(f"{path}: no held-out prompt (conversations starting with a prompt that "
+                        f"is not in the training data)")
     return prompts
 
 
@@ -120,8 +129,10 @@ def _now(device: str) -> float:
 def step_lengths(cache_lengths: list[int], prompt_len: int, new_tokens: int) -> list[int]:
     """Tokens each verification produced: dflash crops the cache to `start` before each one."""
     starts = cache_lengths[1:]  # call 0 is the prefill (empty cache)
+    if not starts:  # the prefill alone: no verification ran
+        return []
     ends = starts[1:] + [prompt_len + new_tokens - 1]
-    return [end - start for start, end in zip(starts, ends)]
+    return [end - start for start, end in zip(starts, ends, strict=True)]
 
 
 def evaluate(drafter, target, prompts, max_new_tokens: int, stops: list[int], device: str) -> dict:
@@ -130,7 +141,7 @@ def evaluate(drafter, target, prompts, max_new_tokens: int, stops: list[int], de
     counter = ForwardCounter(target)
     try:
         # one untimed pass of each: lazy initialisation and allocator warm-up stay out of the timing
-        greedy_generate(target, prompts[:1], max_new_tokens, stops)
+        target_model.greedy_generate(target, prompts[:1], max_new_tokens, stops)
         dflash_generate(drafter, target, torch.tensor([prompts[0]], device=device),
                         max_new_tokens, stops)
         totals = dict(plain_s=0.0, spec_s=0.0, plain_forwards=0, spec_forwards=0, tokens=0)
@@ -138,7 +149,7 @@ def evaluate(drafter, target, prompts, max_new_tokens: int, stops: list[int], de
         for index, prompt in enumerate(prompts):
             counter.reset()
             start = _now(device)
-            plain = greedy_generate(target, [prompt], max_new_tokens, stops)[0]
+            plain = target_model.greedy_generate(target, [prompt], max_new_tokens, stops)[0]
             totals["plain_s"] += _now(device) - start
             totals["plain_forwards"] += counter.calls
 
@@ -151,7 +162,8 @@ def evaluate(drafter, target, prompts, max_new_tokens: int, stops: list[int], de
             spec = output[0, len(prompt):].tolist()
             if spec != plain:  # where: a bf16 near-tie differs late, a broken pairing at once
                 mismatches.append(index)
-                divergence.append(next((i for i, (a, b) in enumerate(zip(spec, plain)) if a != b),
+                divergence.append(next((i for i, (a, b) in enumerate(zip(spec, plain, strict=False))
+                                        if a != b),
                                        min(len(spec), len(plain))))
             steps += step_lengths(counter.cache_lengths, len(prompt), len(spec))
             totals["tokens"] += len(spec)
@@ -181,22 +193,21 @@ def run(args) -> dict:
     config = run_config(run_dir)
     checkpoint = resolve_checkpoint(run_dir, args.checkpoint)
     device = args.device or config.devices.target.split(",")[0].strip()
-    dtype = DTYPES[config.target.dtype]
+    dtype = target_model.DTYPES[config.target.dtype]
     target_path = resolve_path(config.target.path)
     prompts_path = args.prompts or resolve_path(config.data.heldout)
     if not prompts_path:
         raise EvalError("no prompts: the run's config has no data.heldout; give --prompts JSONL")
 
-    tokenizer, target = load_target(target_path, device, config.target.dtype)
+    tokenizer, target = target_model.load_target(target_path, device, config.target.dtype)
     drafter = load_drafter(checkpoint, device, dtype)
-    prompts = prompt_ids(tokenizer, prompts_path, args.num_prompts)
-    if not prompts:
-        raise EvalError(f"{prompts_path}: no conversation starts with a prompt")
+    prompts = prompt_ids(tokenizer, prompts_path, args.num_prompts, resolve_path(config.data.train),
+                         log=lambda line: print(line, flush=True))
     print(f"eval: {os.path.relpath(checkpoint, run_dir)} vs target {target_path} on {device} "
-          f"({config.target.dtype}), {len(prompts)} prompts, <= {args.max_new_tokens} new tokens",
-          flush=True)
+          f"({config.target.dtype}), {len(prompts)} held-out prompts, <= {args.max_new_tokens} "
+          f"new tokens", flush=True)
     measured = evaluate(drafter, target, prompts, args.max_new_tokens,
-                        stop_token_ids(tokenizer, target), device)
+                        target_model.stop_token_ids(tokenizer, target), device)
     name = os.path.basename(checkpoint)
     step = int(name[5:]) if name.startswith("step-") and name[5:].isdigit() else None
     record = {"kind": "dflash_eval", "time": time.time(), "run_dir": run_dir,
@@ -223,7 +234,7 @@ def main() -> int:
     args = parser.parse_args()
     try:
         record = run(args)
-    except (EvalError, ConfigError, DataError) as exc:
+    except (EvalError, ConfigError, DataError, target_model.TargetLoadError) as exc:
         print(f"eval_dflash: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print(f"lossless {record['lossless']} | acceptance length {record['acceptance_length']:.2f} | "

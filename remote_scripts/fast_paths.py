@@ -4,23 +4,22 @@
   the gradient computed during the forward (the LM head is frozen, so d loss / d hidden is known
   once the loss is). The plain path materialises [B*N*bs, V] logits in bf16, then fp32, then the
   log-softmax and its gradient (about 20 GB at V = 151936, 8192 tokens); this keeps one chunk.
-  The per-chunk softmax/gradient arithmetic is one compiled (fused) region on CUDA, behind
-  compile_safety's lock like every compiled call; eager elsewhere.
+  The per-chunk softmax/gradient arithmetic is one compiled (fused) region on CUDA
+  (`compile_lm_head_loss`, called by training.apply_compile), behind compile_safety's lock like
+  every compiled call; eager elsewhere.
 - `FLEX_KERNEL_OPTIONS`: flex_attention kernel options measured on an H200 (bench/RESULTS.md).
 - `adamw`: AdamW with the fused CUDA kernel where the parameters are on CUDA.
 - `target_features`: the target's tapped hidden states without the padding mask (SDPA's causal
   flash kernel instead of a materialised mask) and without the layers after the last tap;
-  target_model.Target.context_features uses it (and compiles the layers on CUDA).
+  target_model.Target.context_features uses it.
 """
 
 from __future__ import annotations
 
 import os
-import threading
-
-import torch
 
 import compile_safety
+import torch
 
 # DFLASH_FAST_PATHS=0: training takes the reference paths (plain loss, foreach AdamW, default
 # flex kernel options); the bench flips this to measure both in one run.
@@ -60,21 +59,29 @@ def _ce_chunk(logits, labels, token_weights, need_grad: bool):
     return loss, argmax, grad
 
 
-_compiled = {}
-_compiled_lock = threading.Lock()
+_compiled: dict[bool, object] = {}  # need_grad -> the compiled chunk (compile_lm_head_loss)
 
 
-def _chunk_fn(device: torch.device, need_grad: bool):
-    """The compiled chunk function on CUDA (one per need_grad value), eager elsewhere."""
-    if device.type != "cuda" or not compile_safety.current_settings().enabled:
-        return lambda lg, lb, w: _ce_chunk(lg, lb, w, need_grad)
-    with _compiled_lock:
+def compile_lm_head_loss() -> int:
+    """Compile the chunk arithmetic of lm_head_loss (one region per need_grad value), each call
+    behind COMPILE_LOCK; it runs compiled on CUDA only. Returns the number of regions compiled."""
+    if not ENABLED or not compile_safety.current_settings().enabled:
+        return 0
+    for need_grad in (True, False):
         if need_grad not in _compiled:
             def chunk(lg, lb, w, _need=need_grad):
                 return _ce_chunk(lg, lb, w, _need)
             _compiled[need_grad] = compile_safety.safe_compile(
                 chunk, f"lm_head_ce_grad{int(need_grad)}", dynamic=False)
-        return _compiled[need_grad]
+    return len(_compiled)
+
+
+def _chunk_fn(device: torch.device, need_grad: bool):
+    """The compiled chunk function on CUDA once compile_lm_head_loss ran; eager otherwise."""
+    compiled = _compiled.get(need_grad)
+    if device.type != "cuda" or compiled is None:
+        return lambda lg, lb, w: _ce_chunk(lg, lb, w, need_grad)
+    return compiled
 
 
 class _LMHeadCE(torch.autograd.Function):
@@ -145,10 +152,6 @@ class _StopForward(Exception):
     pass
 
 
-def decoder_layers(model) -> torch.nn.ModuleList:
-    return model.model.layers
-
-
 @torch.no_grad()
 def target_features(model, input_ids, layer_ids, out_device) -> torch.Tensor:
     """Same features as target_model.Target.context_features for every real token.
@@ -158,7 +161,7 @@ def target_features(model, input_ids, layer_ids, out_device) -> torch.Tensor:
     them (anchors are real tokens and a block sees context strictly before its anchor). The
     forward stops after the last tapped layer: the layers after it do not change the taps.
     """
-    layers = decoder_layers(model)
+    layers = model.model.layers  # the layout target_model.has_fast_path checks
     captured: dict[int, torch.Tensor] = {}
     last = max(layer_ids)
 

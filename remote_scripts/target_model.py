@@ -1,50 +1,52 @@
-"""The frozen target: loaded from a checkpoint directory, placed over the target devices.
+"""The frozen target: loading, placement over the target devices, context features, decoding.
 
-Layers are split into contiguous chunks over the devices (pipeline placement, no accelerate):
-the embeddings sit on the first device, the decoder layers on their chunk's device, the rest
-(final norm, LM head) on the last one; a forward pre-hook moves each placed module's inputs to
-its device. `context_features` returns the tapped hidden states, concatenated, on the device the
-caller asks for.
+Placement (`target.placement`):
+- `split`: the decoder layers in contiguous chunks over the devices (one copy; embeddings on the
+  first device, final norm and LM head on the last; a forward pre-hook moves each placed module's
+  inputs to its device). For targets that do not fit one device. One device works at a time.
+- `replicate`: one full copy per device. The weights are read from disk once; the other copies
+  are made device to device. Drafter worker w's batches come from replica w % k.
+- `auto`: replicate when weights plus activations fit every target device's free memory, else
+  split (`choose_placement`, a pure function; the training log and RUN/placement.json say why).
 
 Fast path (fast_paths.ENABLED, the default): for right-padded batches (dflash_data.collate) the
-features come from fast_paths.target_features (no padding mask, no layers after the last tap),
-and on CUDA with compile enabled each decoder layer up to the last tap is compiled once, behind
-compile_safety's lock like every compiled call (bench/RESULTS.md: 54.6% -> 83.7% MFU at the
-Qwen3-8B shape). `reference_features` is the plain transformers path, kept for comparison.
-`warm_compiled_layers` fills the compile cache with the target's layer graph without loading its
-weights, for warmup_compile.py.
+features come from fast_paths.target_features (no padding mask, no layers after the last tap).
+`compile_layers()` (called by training.apply_compile, never implicitly) compiles each decoder
+layer up to the last tap on CUDA, behind compile_safety's lock like every compiled call
+(bench/RESULTS.md: 54.6% -> 83.7% MFU at the Qwen3-8B shape). `reference_features` is the plain
+transformers path. `warm_compiled_layers` fills the compile cache with the target's layer graph
+without loading its weights, for warmup_compile.py.
+
+Decoding (`greedy_generate`, `chat_prompt_ids`, `stop_token_ids`, `load_target`) is here too:
+regenerate_data.py and eval_dflash.py decode with the target through them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import glob
+import json
 import logging
 import os
 import time
 
-import torch
-from torch import nn
-
 import compile_safety
 import fast_paths
+import torch
+from torch import nn
+from train_config import DTYPE_NAMES
 
 log = logging.getLogger("dflash.train")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 class TargetLoadError(RuntimeError):
     pass
 
 
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    if not os.path.isdir(path):
-        raise TargetLoadError(f"target checkpoint directory not found: {path}")
-    with _load_errors(path, "tokenizer"):
-        return AutoTokenizer.from_pretrained(path)
-
+# ----------------------------------------------------------------------------- loading
 
 @contextlib.contextmanager
 def _load_errors(path: str, what: str):
@@ -55,6 +57,58 @@ def _load_errors(path: str, what: str):
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise TargetLoadError(f"cannot load the target {what} from {path}: {first}") from None
 
+
+def _check_dir(path: str) -> None:
+    if not os.path.isdir(path):
+        raise TargetLoadError(f"target checkpoint directory not found: {path}")
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    _check_dir(path)
+    with _load_errors(path, "tokenizer"):
+        return AutoTokenizer.from_pretrained(path)
+
+
+def load_target_config(path: str):
+    from transformers import AutoConfig
+
+    _check_dir(path)
+    with _load_errors(path, "config"):
+        return AutoConfig.from_pretrained(path)
+
+
+def load_causal_lm(path: str, dtype: str) -> nn.Module:
+    """The one loader of the target's weights: frozen, eval mode, on the CPU."""
+    from transformers import AutoModelForCausalLM
+
+    _check_dir(path)
+    with _load_errors(path, "model"):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+    return model.requires_grad_(False).eval()
+
+
+def load_target(path: str, device: str, dtype: str):
+    """(tokenizer, model on `device`) for decoding: regenerate_data.py and eval_dflash.py."""
+    tokenizer = load_tokenizer(path)
+    return tokenizer, load_causal_lm(path, dtype).to(device)
+
+
+def random_weights_model(config, dtype: torch.dtype, device) -> nn.Module:
+    """A frozen causal LM of `config` with random weights, created directly on `device`."""
+    from transformers import AutoModelForCausalLM
+
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return AutoModelForCausalLM.from_config(config).requires_grad_(False).eval()
+    finally:
+        torch.set_default_dtype(old)
+
+
+# ----------------------------------------------------------------------------- placement
 
 def _to(value, device):
     if isinstance(value, torch.Tensor):
@@ -73,14 +127,18 @@ def _move_inputs_hook(device):
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The longest ModuleList in the model: the decoder layers, whatever the architecture."""
+    """The decoder layers: model.model.layers (transformers' causal LMs, what the fast path runs),
+    else the longest ModuleList in the model, whatever the architecture."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if isinstance(layers, nn.ModuleList):
+        return layers
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
     if not lists:
         raise TargetLoadError("target model has no ModuleList of decoder layers")
     return max(lists, key=len)
 
 
-def place(model: nn.Module, devices: list[str]) -> None:
+def place_split(model: nn.Module, devices: list[str]) -> None:
     """Move the model onto one device, or split its decoder layers over several."""
     if len(devices) == 1:
         model.to(devices[0])
@@ -99,23 +157,112 @@ def place(model: nn.Module, devices: list[str]) -> None:
             module.register_forward_pre_hook(_move_inputs_hook(devices[-1]), with_kwargs=True)
 
 
+def replicate(model: nn.Module, devices: list[str]) -> list[nn.Module]:
+    """One full copy per device: `model` moves to the first, each other copy is the same module
+    tree whose tensors are copied device to device from the first (tied weights stay tied)."""
+    first = model.to(devices[0])
+    replicas = [first]
+    for device in devices[1:]:
+        memo = {}
+        for tensor in list(first.parameters()) + list(first.buffers()):
+            if id(tensor) not in memo:
+                moved = tensor.detach().to(device, copy=True)
+                memo[id(tensor)] = nn.Parameter(moved, requires_grad=False) \
+                    if isinstance(tensor, nn.Parameter) else moved
+        replicas.append(copy.deepcopy(first, memo))
+    return replicas
+
+
+def checkpoint_weight_bytes(path: str, dtype: str) -> int:
+    """The target's weights in `dtype`, from the safetensors headers (no tensor is read)."""
+    size = DTYPES[dtype].itemsize
+    total = 0
+    for file in glob.glob(os.path.join(path, "*.safetensors")):
+        with open(file, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                count = 1
+                for dim in entry["shape"]:
+                    count *= dim
+                total += count * size
+    if not total:  # other formats: their file sizes
+        total = sum(os.path.getsize(f) for f in glob.glob(os.path.join(path, "*.bin")))
+    return total
+
+
+def activation_bytes(text_config, batch: int, seq: int, taps: int, dtype: str) -> int:
+    """Working memory of one fast-path forward: the residual stream and a layer's temporaries,
+    the captured taps, the MLP's intermediate activations (a generous bound; flash attention's
+    own memory is linear in seq and small beside these)."""
+    hidden, inter = text_config.hidden_size, text_config.intermediate_size
+    return batch * seq * (hidden * (4 + taps) + 3 * inter) * DTYPES[dtype].itemsize
+
+
+RESERVE_BYTES = 2 << 30  # CUDA context, cuBLAS workspaces, allocator slack
+
+
+def choose_placement(requested: str, devices: list[str], weights: int, activations: int,
+                     free: dict[str, int]) -> tuple[str, str]:
+    """Pure: (placement, why). `free`: free bytes per distinct CUDA device now."""
+    if requested != "auto":
+        return requested, f"target.placement={requested} in the config"
+    if len(devices) == 1:
+        return "split", "one target device: split and replicate are the same placement"
+    if any(not d.startswith("cuda") for d in devices):
+        return "split", "auto: non-CUDA target devices share the host's memory and cores"
+    gib = 2**30
+    need = weights + activations + RESERVE_BYTES
+    short = {d: free[d] for d in free if devices.count(d) * need > free[d]}
+    what = (f"a full copy needs {weights / gib:.1f} GiB weights + {activations / gib:.1f} GiB "
+            f"activations + {RESERVE_BYTES / gib:.0f} GiB reserve")
+    if short:
+        device = min(short, key=short.get)
+        return "split", (f"auto: {what}, more than {device}'s free "
+                         f"{free[device] / gib:.1f} GiB (x{devices.count(device)} copies)")
+    least = min(free, key=free.get)
+    return "replicate", (f"auto: {what}; it fits each of the {len(devices)} target devices "
+                         f"(least free: {free[least] / gib:.1f} GiB on {least})")
+
+
+def free_memory(devices: list[str]) -> dict[str, int]:
+    return {d: torch.cuda.mem_get_info(torch.device(d))[0]
+            for d in dict.fromkeys(devices) if d.startswith("cuda")}
+
+
+# ----------------------------------------------------------------------------- the target
+
 class Target:
-    """A frozen causal LM that yields DFlash context features."""
+    """A frozen causal LM that yields DFlash context features, split or replicated."""
 
-    def __init__(self, path: str, devices: list[str], dtype: str, layer_ids: list[int] | None = None):
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        if not os.path.isdir(path):
-            raise TargetLoadError(f"target checkpoint directory not found: {path}")
+    def __init__(self, path: str, devices: list[str], dtype: str,
+                 layer_ids: list[int] | None = None, placement: str = "split"):
         self.path = path
-        with _load_errors(path, "model"):
-            self.config = AutoConfig.from_pretrained(path)
-            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
-        self.model.requires_grad_(False).eval()
-        place(self.model, devices)
-        self.devices = devices
-        self.layer_ids = layer_ids
-        self.compiled_layers = 0  # decoder layers compiled so far (CUDA fast path only)
+        self._place(load_causal_lm(path, dtype), devices, layer_ids, placement)
+
+    @classmethod
+    def from_model(cls, model: nn.Module, devices: list[str], layer_ids: list[int],
+                   placement: str = "split") -> Target:
+        """A Target around a frozen model already in memory (the benchmarks' random weights)."""
+        target = cls.__new__(cls)
+        target.path = None
+        target._place(model.requires_grad_(False).eval(), devices, layer_ids, placement)
+        return target
+
+    def _place(self, model: nn.Module, devices: list[str], layer_ids, placement: str) -> None:
+        if placement not in ("split", "replicate"):
+            raise ValueError(f"placement {placement!r}: resolve auto with choose_placement first")
+        self.config = model.config
+        self.devices, self.placement, self.layer_ids = devices, placement, layer_ids
+        if placement == "replicate":
+            self.replicas = replicate(model, devices)
+            self.replica_devices = list(devices)
+        else:
+            place_split(model, devices)
+            self.replicas, self.replica_devices = [model], [devices[0]]
+        self.model = self.replicas[0]
+        self.compiled_layers = 0  # decoder layers compiled per replica (CUDA fast path only)
+        self._first_forward_logged = False
 
     @property
     def embed_weight(self) -> torch.Tensor:
@@ -125,40 +272,46 @@ class Target:
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.get_output_embeddings().weight
 
+    def replica_for(self, worker: int) -> int:
+        """Which replica serves drafter worker `worker`: spread evenly, fixed for the run."""
+        return worker % len(self.replicas)
+
     @torch.no_grad()
-    def context_features(self, input_ids, attention_mask, out_device) -> torch.Tensor:
+    def context_features(self, input_ids, attention_mask, out_device, replica: int = 0):
         """hidden_states[layer_id + 1] for each tapped layer, concatenated -> [B, S, n*H].
 
         Exact for every real token; pad positions may differ from `reference_features` on the
         fast path, and nothing reads them (anchors are real tokens, a block sees context strictly
         before its anchor).
         """
-        if not (has_fast_path(self.model) and right_padded(attention_mask)):
-            return self.reference_features(input_ids, attention_mask, out_device)
-        first = self._compile_layers()
+        model, device = self.replicas[replica], self.replica_devices[replica]
+        if not (has_fast_path(model) and right_padded(attention_mask)):
+            return self.reference_features(input_ids, attention_mask, out_device, replica)
         started = time.perf_counter()
-        features = fast_paths.target_features(self.model, input_ids.to(self.devices[0]),
-                                              self.layer_ids, out_device)
-        if first:  # the compile happens inside this first call
-            log.info("target: %d decoder layers compiled; first forward %.1f s",
+        features = fast_paths.target_features(model, input_ids.to(device), self.layer_ids,
+                                              out_device)
+        if self.compiled_layers and not self._first_forward_logged:
+            self._first_forward_logged = True  # the compile happens inside the first call
+            log.info("target: first forward with %d compiled decoder layers %.1f s",
                      self.compiled_layers, time.perf_counter() - started)
         return features
 
     @torch.no_grad()
-    def reference_features(self, input_ids, attention_mask, out_device) -> torch.Tensor:
+    def reference_features(self, input_ids, attention_mask, out_device, replica: int = 0):
         """The plain transformers path: padding mask, every layer, output_hidden_states."""
-        out = self.model(input_ids=input_ids.to(self.devices[0]),
-                         attention_mask=attention_mask.to(self.devices[0]),
-                         output_hidden_states=True, use_cache=False, logits_to_keep=1)
+        model, device = self.replicas[replica], self.replica_devices[replica]
+        out = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                    output_hidden_states=True, use_cache=False, logits_to_keep=1)
         taps = [out.hidden_states[i + 1].to(out_device) for i in self.layer_ids]
         return torch.cat(taps, dim=-1)
 
-    def _compile_layers(self) -> bool:
-        """Once, on CUDA with compile enabled: the layers up to the last tap; True if it did."""
+    def compile_layers(self) -> int:
+        """On CUDA with compile enabled: every replica's layers up to the last tap, once."""
         if self.compiled_layers or not compile_layers_wanted(self.devices):
-            return False
-        self.compiled_layers = compile_layers(self.model, max(self.layer_ids) + 1)
-        return True
+            return self.compiled_layers
+        for model in self.replicas:
+            self.compiled_layers = compile_layers(model, max(self.layer_ids) + 1)
+        return self.compiled_layers
 
 
 def has_fast_path(model: nn.Module) -> bool:
@@ -180,12 +333,12 @@ def compile_layers_wanted(devices: list[str]) -> bool:
 
 
 def compile_layers(model: nn.Module, count: int) -> int:
-    """Compile model.model.layers[:count] (each call behind COMPILE_LOCK); returns count.
+    """Compile the first `count` decoder layers (each call behind COMPILE_LOCK); returns count.
 
     Every layer shares the decoder layer's code, so dynamo compiles one graph per distinct
-    layer kind and the others reuse it (the weights are graph inputs, not constants).
+    layer kind (and device) and the others reuse it (the weights are graph inputs).
     """
-    layers = fast_paths.decoder_layers(model)
+    layers = decoder_layers(model)
     for layer in layers[:count]:
         layer.forward = compile_safety.safe_compile(layer.forward, "target_layer", dynamic=False)
     return min(count, len(layers))
@@ -199,19 +352,6 @@ def _one_layer_per_kind(config) -> int:
     return max(kinds.index(kind) for kind in set(kinds)) + 1
 
 
-def random_weights_model(config, dtype: torch.dtype, device) -> nn.Module:
-    """A frozen causal LM of `config` with random weights, created directly on `device`."""
-    from transformers import AutoModelForCausalLM
-
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            return AutoModelForCausalLM.from_config(config).requires_grad_(False).eval()
-    finally:
-        torch.set_default_dtype(old)
-
-
 @torch.no_grad()
 def warm_compiled_layers(path: str, dtype: str, devices: list[str], batch: int, seq: int) -> dict:
     """Compile the target's decoder-layer graph(s) into the compile cache, weights not loaded.
@@ -221,13 +361,10 @@ def warm_compiled_layers(path: str, dtype: str, devices: list[str], batch: int, 
     and devices as training's compiled layers, so training's compile reads the cached graphs.
     Returns {"layers": layer graphs per device, "devices": n, "seconds": s}.
     """
-    from transformers import AutoConfig
-
     devices = list(dict.fromkeys(devices))
     if not compile_layers_wanted(devices):
         return {"layers": 0, "devices": 0, "seconds": 0.0}
-    with _load_errors(path, "config"):
-        config = AutoConfig.from_pretrained(path)
+    config = load_target_config(path)
     text = getattr(config, "text_config", None) or config
     count = _one_layer_per_kind(text)
     text.num_hidden_layers = count
@@ -254,13 +391,8 @@ class ShapeOnlyTarget:
     """
 
     def __init__(self, path: str, dtype: str, layer_ids: list[int]):
-        from transformers import AutoConfig
-
-        if not os.path.isdir(path):
-            raise TargetLoadError(f"target checkpoint directory not found: {path}")
         self.path = path
-        with _load_errors(path, "config"):
-            self.config = AutoConfig.from_pretrained(path)
+        self.config = load_target_config(path)
         text = getattr(self.config, "text_config", None) or self.config
         self.hidden_size, self.dtype = text.hidden_size, DTYPES[dtype]
         self.layer_ids = layer_ids
@@ -275,7 +407,71 @@ class ShapeOnlyTarget:
     def lm_head_weight(self) -> torch.Tensor:
         return self._weight
 
-    def context_features(self, input_ids, attention_mask, out_device) -> torch.Tensor:
+    def replica_for(self, worker: int) -> int:
+        return 0
+
+    def context_features(self, input_ids, attention_mask, out_device, replica: int = 0):
         batch, seq = input_ids.shape
         return torch.randn(batch, seq, len(self.layer_ids) * self.hidden_size,
                            dtype=self.dtype, device=out_device)
+
+    def compile_layers(self) -> int:
+        return 0  # warmup_compile.py compiles the layer graph with warm_compiled_layers
+
+
+# ----------------------------------------------------------------------------- decoding
+
+def stop_token_ids(tokenizer, model) -> list[int]:
+    """End-of-turn ids: the tokenizer's eos and the generation config's (a list in Qwen3)."""
+    ids = {tokenizer.eos_token_id}
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    return sorted(i for i in ids if i is not None)
+
+
+def chat_prompt_ids(tokenizer, turns: list[dict]) -> list[int]:
+    """The conversation so far, rendered with the chat template, ready for the assistant's answer."""
+    text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@torch.inference_mode()
+def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
+                    pad_id: int = 0) -> list[list[int]]:
+    """Plain greedy decoding with a KV cache: one target forward per new token.
+
+    Prompts are left-padded into one batch (explicit position ids, so padding changes nothing).
+    Each answer ends with its first stop token (included) or after max_new_tokens.
+    """
+    from transformers import DynamicCache
+
+    device = model.device
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt):] = torch.tensor(prompt)
+        attention[row, width - len(prompt):] = 1
+    input_ids, attention = input_ids.to(device), attention.to(device)
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    stops = torch.tensor(stop_ids, device=device)
+    cache = DynamicCache(config=model.config)
+    logits = model(input_ids, attention_mask=attention, position_ids=positions,
+                   past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    answers = torch.empty((len(prompts), 0), dtype=torch.long, device=device)
+    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    for _ in range(max_new_tokens):
+        token = logits[:, -1].argmax(-1)
+        answers = torch.cat([answers, token[:, None]], dim=1)
+        done |= torch.isin(token, stops)
+        if bool(done.all()) or answers.shape[1] == max_new_tokens:
+            break
+        attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
+        positions = positions[:, -1:] + 1
+        logits = model(token[:, None], attention_mask=attention, position_ids=positions,
+                       past_key_values=cache, use_cache=True).logits
+    out = []
+    for row in answers.tolist():
+        ends = [i for i, t in enumerate(row) if t in stop_ids]
+        out.append(row[: ends[0] + 1] if ends else row)
+    return out

@@ -12,7 +12,6 @@ Resumes from RUN/checkpoints/latest automatically; on SIGTERM writes a checkpoin
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -22,44 +21,19 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import torch
-
 import checkpoints
-import compile_safety
-import distributed
 import dflash_model as dm
+import distributed
+import target_model
+import torch
 import training
-from dflash_data import DataError, Sampler, load_examples
+from batch_feed import BatchFeed
+from dflash_data import DataError, Sampler, data_report, load_examples
 from target_model import Target, TargetLoadError, load_tokenizer
-from train_config import ConfigError, dump_yaml, load_config, resolve_path
+from train_config import ConfigError, cli_parser, config_from_args, dump_yaml, resolve_path, setup_logging
+from train_config import stop_step as stop_step_of
 
 log = logging.getLogger("dflash.train")
-
-
-def cli_parser(description: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--config", required=True, help="YAML config (see configs/)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config value, e.g. --set train.lr=1e-4 (repeatable)")
-    parser.add_argument("--target-devices", help="e.g. cuda:0,cuda:1,cuda:2 or cpu")
-    parser.add_argument("--drafter-devices", help="one worker per entry, e.g. cuda:5,cuda:6 or cpu,cpu")
-    parser.add_argument("--run-dir", help="run directory (default: train.run_dir)")
-    parser.add_argument("--max-steps", type=int, help="stop at this step (schedule unchanged)")
-    return parser
-
-
-def config_from_args(args):
-    return load_config(args.config, args.set, {
-        "devices.target": args.target_devices, "devices.drafter": args.drafter_devices,
-        "train.run_dir": os.path.abspath(args.run_dir) if args.run_dir else None})
-
-
-def setup_logging(run_dir: str | None) -> None:
-    handlers = [logging.StreamHandler(sys.stdout)]
-    if run_dir:
-        handlers.append(logging.FileHandler(os.path.join(run_dir, "train.log")))
-    logging.basicConfig(level=logging.INFO, handlers=handlers, force=True,
-                        format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
 
 
 class StopFlag:
@@ -80,118 +54,64 @@ def train(args) -> int:
     config = config_from_args(args)
     run_dir = resolve_path(config.train.run_dir)
     os.makedirs(run_dir, exist_ok=True)
+    ready_marker = os.path.join(run_dir, "ready")
+    if os.path.exists(ready_marker):  # an earlier launch's: the launch wait must see only ours
+        os.remove(ready_marker)
     setup_logging(run_dir)
     checkpoints.write_atomic(os.path.join(run_dir, "config.yaml"), dump_yaml(config))
-    stop_step = min(args.max_steps or config.train.max_steps, config.train.max_steps)
+    stop_step = stop_step_of(config, args.max_steps)
     training.seed_everything(config.train.seed)
 
     # devices
-    target_devices = training.parse_devices(config.devices.target, "devices.target")
-    drafter_devices = training.parse_devices(config.devices.drafter, "devices.drafter")
-    training.check_attention(config, drafter_devices)
+    target_devices, drafter_devices = training.configured_devices(config)
     log.info("run %s: target on %s, %d drafter worker(s) on %s", run_dir, ",".join(target_devices),
              len(drafter_devices), ",".join(drafter_devices))
 
     # data
     target_path = resolve_path(config.target.path)
-    tokenizer = load_tokenizer(target_path) if os.path.isdir(target_path) else None
-    if tokenizer is None:
-        raise TargetLoadError(f"target checkpoint directory not found: {target_path}")
-    read = dict(tokenizer=tokenizer, header=config.data.assistant_header,
-                end=config.data.end_of_turn, max_length=config.data.max_length)
-    train_examples = load_examples(resolve_path(config.data.train), **read)
-    heldout_examples = load_examples(resolve_path(config.data.heldout), **read) \
-        if config.data.heldout else []
+    tokenizer = load_tokenizer(target_path)
+    train_examples, heldout_examples = load_data(config, tokenizer, target_path, run_dir)
     sampler = Sampler(len(train_examples), config.train.seed)
-    log.info("data: %d train, %d held-out conversations", len(train_examples), len(heldout_examples))
 
-    # target
-    target = Target(target_path, target_devices, config.target.dtype)
-
-    # drafters + compile settings (one worker per drafter device, identical replicas)
+    # target, drafters, compile settings (one worker per drafter device, identical replicas)
+    target = load_target(config, target_path, target_devices, run_dir)
     drafters = training.build_drafters(config, target, tokenizer, drafter_devices)
-    workers, mask_token_id, build_mask = drafters.workers, drafters.mask_token_id, drafters.build_mask
+    workers = drafters.workers
     # multi-node (under torchrun): gradients, metrics and SIGTERM across nodes; else a no-op
     node = distributed.maybe_init_distributed(drafter_devices[0], len(workers), stop)
     node.share_latest_checkpoint(run_dir, config.train.keep_last)
-
     step = 0
     resume_from = checkpoints.latest_checkpoint(run_dir)
     if resume_from:
         step = restore(resume_from, workers, sampler)
         log.info("resumed from %s at step %d", resume_from, step)
+    eval_batches = make_eval_batches(config, target, drafters, heldout_examples)
 
-    def batch_for(worker, examples, generator):
-        return training.prepare_batch(examples, config, target, worker.device, mask_token_id,
-                                      build_mask, generator)
-
-    # Full batches only: a smaller last batch would be a shape the warm-up never compiled.
-    batch_size = config.train.batch_size
-    eval_count = min(len(heldout_examples) // batch_size, config.train.eval_batches)
-    eval_batches = [batch_for(workers[0], heldout_examples[i * batch_size:(i + 1) * batch_size],
-                              training.anchor_generator(config.train.seed, -1, i))
-                    for i in range(eval_count)]
-    if heldout_examples and not eval_batches:
-        raise DataError(f"held-out set has {len(heldout_examples)} usable conversations, fewer "
-                        f"than one batch ({batch_size})")
+    # ready: the launch wait (invoke train) returns on this marker or on the first step's line
+    checkpoints.write_atomic(ready_marker, json.dumps({"step": step, "time": time.time()}) + "\n")
+    log.info("ready: target and %d drafter worker(s) built, starting at step %d", len(workers), step)
 
     # compile: every shape the workers will run, in the main thread, before they start
     warm_examples = train_examples[: config.train.batch_size]
-    timings = training.warm_up(workers, lambda w: batch_for(
-        w, warm_examples, training.anchor_generator(config.train.seed, -2, w.index)))
+    timings = training.warm_up(workers, lambda w: training.worker_batch(
+        config, target, drafters, w, warm_examples,
+        training.anchor_generator(config.train.seed, -2, w.index)))
     log.info("warm-up (main thread) done in %.1f s for %d shape(s)%s", sum(timings.values()),
              len(timings), "" if config.compile.enabled else "; compile is off")
 
     # loop
     metrics = checkpoints.open_for_append(os.path.join(run_dir, "metrics.jsonl"))
     pool = ThreadPoolExecutor(max_workers=len(workers), thread_name_prefix="drafter")
-    window, window_start = [], time.perf_counter()
-
+    feed = BatchFeed(config, train_examples, sampler, node, target, drafters, stop_step)
     sampler_state = sampler.state_dict()
-
-    def save(step):
-        if not node.writes_checkpoints:
-            return
-        # the sampler as of this step's picks: a prefetch may already have taken the next ones
-        path = save_checkpoint(run_dir, step, workers, sampler_state, config)
-        diff = training.replica_max_diff(workers)
-        write_metrics(metrics, {"kind": "checkpoint", "step": step, "path": path,
-                                "replica_max_abs_diff": diff})
-        log.info("checkpoint %s (replicas differ by at most %.3g)", path, diff)
-
-    def take_batches(step):
-        """This step's picks (the sampler advances now) -> (sampler state, batch builder)."""
-        picks = node.take(sampler, config.train.batch_size)
-        state = sampler.state_dict()  # what a checkpoint written at `step` must hold
-
-        def build():
-            compile_safety.apply_thread_settings()  # may run in the prefetch thread
-            return [batch_for(w, [train_examples[i] for i in p],
-                              training.anchor_generator(config.train.seed, step,
-                                                        node.global_worker(w.index)))
-                    for w, p in zip(workers, picks)]
-        return state, build
-
-    # The target prepares step n+1 while the drafters train on step n (train.prefetch_target):
-    # batches depend only on the sampler and (seed, step, worker), never on the drafters.
-    prefetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target") \
-        if config.train.prefetch_target else None
-    upcoming = None  # (sampler state, Future of the batches) for step + 1
-
+    window, window_start = [], time.perf_counter()
+    devices = target_devices + drafter_devices
     if step == 0 and eval_batches:
         evaluate(workers[0], eval_batches, metrics, step)
     while step < stop_step and not stop.requested:
         step += 1
-        if upcoming is None:
-            sampler_state, build = take_batches(step)
-            batches = build()
-        else:
-            sampler_state, batches = upcoming[0], upcoming[1].result()
-            upcoming = None
-        if prefetch is not None and step < stop_step:
-            next_state, next_build = take_batches(step + 1)
-            upcoming = (next_state, prefetch.submit(next_build))
-        results = list(pool.map(lambda wb: wb[0].forward_backward(wb[1]), zip(workers, batches)))
+        batches, sampler_state = feed.next(step)
+        results = list(pool.map(lambda wb: wb[0].forward_backward(wb[1]), zip(workers, batches, strict=True)))
         training.average_gradients(workers)
         node.all_reduce_grads(workers)
         results, tokens = node.gather_step(results, sum(b.tokens for b in batches), stop)
@@ -200,27 +120,93 @@ def train(args) -> int:
         window.append((results, tokens))
         if step % config.train.log_every == 0 or step == stop_step:
             log_train(metrics, step, stop_step, window, time.perf_counter() - window_start, lr,
-                      target_devices + drafter_devices)
+                      devices)
             window, window_start = [], time.perf_counter()
         if eval_batches and (step % config.train.eval_every == 0 or step == stop_step):
             evaluate(workers[0], eval_batches, metrics, step)
         if step % config.train.save_every == 0 or step == stop_step:
-            save(step)
-    if prefetch is not None:  # after a stop the prefetched batches are not used
-        prefetch.shutdown(wait=True, cancel_futures=True)
-        if upcoming is not None and not upcoming[1].cancelled() and upcoming[1].exception():
-            log.warning("prefetch of step %d failed after the stop: %s", step + 1,
-                        upcoming[1].exception())
+            save(run_dir, step, workers, sampler_state, config, node, metrics)
+    feed.close()
     if stop.requested:
         if window:
             log_train(metrics, step, stop_step, window, time.perf_counter() - window_start,
-                      workers[0].scheduler.get_last_lr()[0], target_devices + drafter_devices)
-        save(step)
+                      workers[0].scheduler.get_last_lr()[0], devices)
+        save(run_dir, step, workers, sampler_state, config, node, metrics)
         log.info("stopped by SIGTERM at step %d", step)
     pool.shutdown()
     metrics.close()
     node.close()
     return 0
+
+
+def load_data(config, tokenizer, target_path: str, run_dir: str) -> tuple[list, list]:
+    """Train and held-out examples; what they are (whose answers, held-out overlap) goes to the log
+    and RUN/data.json."""
+    read = dict(tokenizer=tokenizer, header=config.data.assistant_header,
+                end=config.data.end_of_turn, max_length=config.data.max_length,
+                max_bad_fraction=config.data.max_bad_fraction, log=lambda line: log.info("data: %s", line))
+    data_paths = [resolve_path(p) for p in (config.data.train, config.data.heldout) if p]
+    train_examples = load_examples(data_paths[0], **read)
+    heldout_examples = load_examples(data_paths[1], **read) if config.data.heldout else []
+    report = data_report(data_paths, target_path, train_examples, heldout_examples,
+                         config.data.require_target_answers)
+    checkpoints.write_atomic(os.path.join(run_dir, "data.json"), json.dumps(report))
+    overlap = report.get("heldout_overlap", {})
+    log.info("data: %d train, %d held-out conversations; held-out prompts also in train: %s",
+             len(train_examples), len(heldout_examples),
+             f"{overlap['in_train']}/{overlap['heldout']}" if overlap else "-")
+    for warning in report["warnings"]:
+        log.warning("DATA WARNING: %s", warning)
+    return train_examples, heldout_examples
+
+
+def load_target(config, path: str, devices: list[str], run_dir: str) -> Target:
+    """The target with its taps (known from its config) and its placement (auto resolved now,
+    said in the log and in RUN/placement.json)."""
+    target_config = target_model.load_target_config(path)
+    layer_ids = training.target_layer_ids(config, target_config)
+    weights = target_model.checkpoint_weight_bytes(path, config.target.dtype)
+    activations = target_model.activation_bytes(
+        dm.text_config(target_config), config.train.batch_size, config.data.max_length,
+        len(layer_ids), config.target.dtype)
+    placement, why = target_model.choose_placement(
+        config.target.placement, devices, weights, activations, target_model.free_memory(devices))
+    log.info("target: placement %s over %s (%s)", placement, ",".join(devices), why)
+    checkpoints.write_atomic(os.path.join(run_dir, "placement.json"), json.dumps({
+        "requested": config.target.placement, "placement": placement, "why": why,
+        "devices": devices, "weights_gib": round(weights / 2**30, 2),
+        "activations_gib": round(activations / 2**30, 2)}) + "\n")
+    started = time.perf_counter()
+    target = Target(path, devices, config.target.dtype, layer_ids, placement)
+    log.info("target: %d replica(s) loaded in %.1f s", len(target.replicas),
+             time.perf_counter() - started)
+    return target
+
+
+def make_eval_batches(config, target, drafters, heldout_examples) -> list:
+    """Full held-out batches only: a smaller last batch is a shape the warm-up never compiled."""
+    size = config.train.batch_size
+    count = min(len(heldout_examples) // size, config.train.eval_batches)
+    batches = [training.worker_batch(config, target, drafters, drafters.workers[0],
+                                     heldout_examples[i * size:(i + 1) * size],
+                                     training.anchor_generator(config.train.seed, -1, i))
+               for i in range(count)]
+    if heldout_examples and not batches:
+        raise DataError(f"held-out set has {len(heldout_examples)} usable conversations, fewer "
+                        f"than one batch ({size})")
+    return batches
+
+
+def save(run_dir, step, workers, sampler_state: dict, config, node, metrics) -> None:
+    """A checkpoint of `step` holding the sampler as of that step's picks (the feed may already
+    have taken the next ones), and its line in the metrics."""
+    if not node.writes_checkpoints:
+        return
+    path = save_checkpoint(run_dir, step, workers, sampler_state, config)
+    diff = training.replica_max_diff(workers)
+    write_metrics(metrics, {"kind": "checkpoint", "step": step, "path": path,
+                            "replica_max_abs_diff": diff})
+    log.info("checkpoint %s (replicas differ by at most %.3g)", path, diff)
 
 
 def restore(directory: str, workers, sampler) -> int:
@@ -269,7 +255,8 @@ def log_train(metrics, step, stop_step, window, seconds, lr, devices) -> None:
     }
     write_metrics(metrics, record)
     acc = " ".join(f"{a:.2f}" for a in record["slot_accuracy"][:4])
-    log.info("step %d/%d | loss %.4f | tau %.2f | acc[1:5] %s | %.0f tok/s | lr %.2e | mem %.2f GiB",
+    log.info("step %d/%d | loss %.4f | teacher-forced tau %.2f | acc[1:5] %s | %.0f tok/s | lr %.2e | "
+             "mem %.2f GiB",
              step, stop_step, record["loss"], record["acceptance_length"], acc,
              record["tokens_per_s"], lr, record["memory_gib"])
 
@@ -282,7 +269,8 @@ def evaluate(worker, batches, metrics, step) -> None:
               "slot_accuracy": dm.slot_accuracy(stats),
               "acceptance_length": dm.acceptance_length(stats), "time": time.time()}
     write_metrics(metrics, record)
-    log.info("eval step %d | held-out loss %.4f | tau %.2f | acc[1:5] %s", step, record["loss"],
+    log.info("eval step %d | held-out loss %.4f | teacher-forced tau %.2f | acc[1:5] %s", step,
+             record["loss"],
              record["acceptance_length"], " ".join(f"{a:.2f}" for a in record["slot_accuracy"][:4]))
 
 

@@ -1,11 +1,11 @@
-"""The pieces train_dflash.py and warmup_compile.py share: devices, batches, drafter workers.
+"""The pieces train_dflash.py and warmup_compile.py share: devices, compile, batches, workers.
 
 One DrafterWorker per drafter device holds a full replica (drafter, optimizer, scheduler, frozen
 copies of the target's embeddings and LM head). Workers run as threads of one process; batches
-(target forward, anchors, masks) are prepared by the main thread, or during training by one
-prefetch thread a step ahead (train.prefetch_target); the main thread averages the gradients and
-runs evaluation and warm-up. Every compiled call goes through compile_safety (one process-wide
-lock), whichever thread makes it.
+(target forward, anchors, masks) come from batch_feed.BatchFeed (a step ahead, in background
+threads, during training); the main thread averages the gradients and runs evaluation and
+warm-up. Every compiled call goes through compile_safety (one process-wide lock), whichever
+thread makes it; `apply_compile` lists the compiled regions.
 """
 
 from __future__ import annotations
@@ -18,13 +18,12 @@ import random
 import resource
 from dataclasses import dataclass
 
-import torch
-import torch.nn.functional as F
-
 import compile_safety
 import dflash_model as dm
 import fast_paths
-from dflash_data import collate
+import torch
+import torch.nn.functional as F
+from dflash_data import collate, load_examples
 from train_config import Config, ConfigError, resolve_path
 
 log = logging.getLogger("dflash.train")
@@ -47,6 +46,21 @@ def parse_devices(spec: str, key: str) -> list[str]:
             raise ConfigError(f"{key}: {device} not available (this machine has {count} CUDA "
                               f"devices)")
     return devices
+
+
+def configured_devices(config: Config) -> tuple[list[str], list[str]]:
+    """(target devices, drafter devices) from the config, checked against this machine and the
+    attention kind."""
+    target_devices = parse_devices(config.devices.target, "devices.target")
+    drafter_devices = parse_devices(config.devices.drafter, "devices.drafter")
+    check_attention(config, drafter_devices)
+    return target_devices, drafter_devices
+
+
+def one_batch_of_examples(config: Config, tokenizer) -> list:
+    """The training data's first train.batch_size examples: what a warm-up or `plan` steps on."""
+    return load_examples(resolve_path(config.data.train), tokenizer, config.data.assistant_header,
+                         config.data.end_of_turn, config.data.max_length)[: config.train.batch_size]
 
 
 def check_attention(config: Config, drafter_devices: list[str]) -> None:
@@ -85,6 +99,31 @@ def configure_compile(config: Config, cache_dir: str, head_dim: int | None = Non
                                      kernel_options=fast_paths.flex_kernel_options(head_dim))
 
 
+@dataclass
+class Compiled:
+    attention: object         # the drafter's attention function
+    build_mask: object        # its mask builder
+    description: str
+
+
+def apply_compile(config: Config, target, head_dim: int) -> Compiled:
+    """Compile settings, then the three compiled regions, in the order a step runs them:
+
+    1. the target's decoder layers up to the last tap (every replica; CUDA fast path only),
+    2. the drafter's flex_attention (one process-wide wrapper; compile.enabled, model.attention=flex),
+    3. the LM-head loss chunk of fast_paths.lm_head_loss (runs compiled on CUDA only).
+    torch.compile is lazy: each region compiles on its first call, which warm_up makes in the
+    main thread. Every call of every region holds compile_safety.COMPILE_LOCK.
+    """
+    configure_compile(config, resolve_path(config.compile.cache_dir), head_dim)
+    layers = target.compile_layers()
+    attention, build_mask, description = make_attention(config)
+    heads = fast_paths.compile_lm_head_loss()
+    if layers or heads:
+        description += f"; compiled: {layers} target layer(s) per replica, {heads} LM-head region(s)"
+    return Compiled(attention, build_mask, description)
+
+
 # ----------------------------------------------------------------------------- batches
 
 @dataclass
@@ -105,19 +144,26 @@ def anchor_generator(seed: int, step: int, worker: int) -> torch.Generator:
 
 
 def prepare_batch(examples, config: Config, target, device: str, mask_token_id: int,
-                  build_mask, generator: torch.Generator) -> Batch:
+                  build_mask, generator: torch.Generator, replica: int = 0) -> Batch:
     block_size, max_length = config.model.block_size, config.data.max_length
     input_ids, attention, loss_mask = collate(examples, max_length, pad_id=0)
     anchors, keep = dm.sample_anchors(loss_mask, config.data.num_anchors, generator)
     noise_ids, position_ids = dm.block_inputs(input_ids, anchors, keep, block_size, mask_token_id)
     labels, valid = dm.block_labels(input_ids, loss_mask, anchors, keep, block_size)
-    target_hidden = target.context_features(input_ids, attention, device)
+    target_hidden = target.context_features(input_ids, attention, device, replica)
     anchors, keep = anchors.to(device), keep.to(device)
     return Batch(target_hidden=target_hidden, noise_ids=noise_ids.to(device),
                  position_ids=position_ids.to(device),
                  mask=build_mask(anchors, keep, max_length, block_size),
                  labels=labels.to(device), valid=valid.to(device),
                  num_blocks=anchors.shape[1], tokens=int(attention.sum()))
+
+
+def worker_batch(config: Config, target, drafters, worker, examples,
+                 generator: torch.Generator) -> Batch:
+    """prepare_batch for one drafter worker: on its device, from the target replica serving it."""
+    return prepare_batch(examples, config, target, worker.device, drafters.mask_token_id,
+                         drafters.build_mask, generator, target.replica_for(worker.index))
 
 
 # ----------------------------------------------------------------------------- workers
@@ -205,7 +251,7 @@ def average_gradients(workers: list[DrafterWorker]) -> None:
     """Every replica gets the mean gradient (same bits everywhere: one sum, copied out)."""
     if len(workers) == 1:
         return
-    for params in zip(*(w.params for w in workers)):
+    for params in zip(*(w.params for w in workers), strict=True):
         grads = [p.grad for p in params]
         total = grads[0].clone()
         for grad in grads[1:]:
@@ -226,16 +272,29 @@ def replica_max_diff(workers: list[DrafterWorker]) -> float:
     return worst
 
 
+def target_layer_ids(config: Config, target_config) -> list[int]:
+    """The target layers the drafter reads: model.target_layer_ids, else drafter_overrides',
+    else spread over the target's layers as DFlash does. Known before the target loads."""
+    layers = dm.text_config(target_config).num_hidden_layers
+    ids = config.model.target_layer_ids
+    if ids is None:
+        ids = config.model.drafter_overrides.get("target_layer_ids")
+    if ids is None:
+        return dm.build_target_layer_ids(layers, config.model.num_draft_layers)
+    if not all(isinstance(i, int) and 0 <= i < layers for i in ids):
+        raise ConfigError(f"model.target_layer_ids: {list(ids)} out of range for a "
+                          f"{layers}-layer target")
+    return list(ids)
+
+
 def build_drafter_template(config: Config, target_config, mask_token_id: int,
-                           device: str = "cpu") -> dm.DFlashDrafter:
+                           layer_ids: list[int], device: str = "cpu") -> dm.DFlashDrafter:
     """One initialisation (seeded) that every worker copies: replicas start identical.
 
     Built on `device`: the first drafter GPU in training, where initialising and copying a
     1B-parameter drafter takes a fraction of the seconds it takes on the CPU.
     """
-    overrides = dict(config.model.drafter_overrides)
-    if config.model.target_layer_ids is not None:
-        overrides["target_layer_ids"] = list(config.model.target_layer_ids)
+    overrides = dict(config.model.drafter_overrides, target_layer_ids=list(layer_ids))
     drafter_config = dm.create_drafter_config(
         config.model.num_draft_layers, target_config, block_size=config.model.block_size,
         mask_token_id=mask_token_id, **overrides)
@@ -295,20 +354,20 @@ class Drafters:
 
 
 def build_drafters(config: Config, target, tokenizer, drafter_devices: list[str]) -> Drafters:
-    """Drafter config from the target, one seeded init, compile settings, one worker per device."""
+    """Drafter config from the target, one seeded init, compile, one worker per device."""
     vocab_size = dm.text_config(target.config).vocab_size
     mask_token_id = resolve_mask_token_id(config, tokenizer, vocab_size)
     init_device = drafter_devices[0] if drafter_devices[0].startswith("cuda") else "cpu"
-    template = build_drafter_template(config, target.config, mask_token_id, init_device)
-    target.layer_ids = template.target_layer_ids
-    configure_compile(config, resolve_path(config.compile.cache_dir), template.config.head_dim)
-    attention, build_mask, description = make_attention(config)
+    template = build_drafter_template(config, target.config, mask_token_id, target.layer_ids,
+                                      init_device)
+    compiled = apply_compile(config, target, template.config.head_dim)
     workers = [DrafterWorker(i, device, template, config, target.embed_weight,
-                             target.lm_head_weight, attention)
+                             target.lm_head_weight, compiled.attention)
                for i, device in enumerate(drafter_devices)]
     log.info("drafter: %d layers, %.1fM parameters, taps %s, block %d, mask token %d; %s",
              template.config.num_hidden_layers, dm.parameter_count(template) / 1e6,
-             template.target_layer_ids, config.model.block_size, mask_token_id, description)
+             template.target_layer_ids, config.model.block_size, mask_token_id,
+             compiled.description)
     # worker 0's replica stands for the template from here: the template itself (on the first
     # drafter GPU in training) would otherwise hold a second copy of the weights there
-    return Drafters(workers, workers[0].drafter, mask_token_id, build_mask)
+    return Drafters(workers, workers[0].drafter, mask_token_id, compiled.build_mask)

@@ -16,17 +16,21 @@ with a one-line message on failure.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
 import traceback
 
 import compile_safety
 import training
-from dflash_data import DataError, load_examples
-from target_model import ShapeOnlyTarget, TargetLoadError, load_tokenizer, warm_compiled_layers
-from train_config import ConfigError, resolve_path
-from train_dflash import cli_parser, config_from_args, setup_logging
+from dflash_data import DataError
+from target_model import (
+    ShapeOnlyTarget,
+    TargetLoadError,
+    load_target_config,
+    load_tokenizer,
+    warm_compiled_layers,
+)
+from train_config import ConfigError, cli_parser, config_from_args, resolve_path, setup_logging
 
 log = logging.getLogger("dflash.warmup")
 
@@ -34,23 +38,18 @@ log = logging.getLogger("dflash.warmup")
 def warm(args) -> int:
     config = config_from_args(args)
     setup_logging(None)
-    drafter_devices = training.parse_devices(config.devices.drafter, "devices.drafter")
-    target_devices = training.parse_devices(config.devices.target, "devices.target")
-    training.check_attention(config, drafter_devices)
+    target_devices, drafter_devices = training.configured_devices(config)
 
     target_path = resolve_path(config.target.path)
-    if not os.path.isdir(target_path):
-        raise TargetLoadError(f"target checkpoint directory not found: {target_path}")
     tokenizer = load_tokenizer(target_path)
-    examples = load_examples(resolve_path(config.data.train), tokenizer,
-                             config.data.assistant_header, config.data.end_of_turn,
-                             config.data.max_length)[: config.train.batch_size]
-    target = ShapeOnlyTarget(target_path, config.target.dtype, layer_ids=[])
+    examples = training.one_batch_of_examples(config, tokenizer)
+    layer_ids = training.target_layer_ids(config, load_target_config(target_path))
+    target = ShapeOnlyTarget(target_path, config.target.dtype, layer_ids)
     drafters = training.build_drafters(config, target, tokenizer, drafter_devices)
 
     started = time.perf_counter()
-    timings = training.warm_up(drafters.workers, lambda worker: training.prepare_batch(
-        examples, config, target, worker.device, drafters.mask_token_id, drafters.build_mask,
+    timings = training.warm_up(drafters.workers, lambda worker: training.worker_batch(
+        config, target, drafters, worker, examples,
         training.anchor_generator(config.train.seed, -2, worker.index)))
     layers = warm_compiled_layers(target_path, config.target.dtype, target_devices,
                                   config.train.batch_size, config.data.max_length)

@@ -7,10 +7,9 @@ forward + backward = 14*P*D*Hq. Work on masked-out positions inside computed til
 
 from __future__ import annotations
 
+import dflash_model as dm
 import torch
 import torch.nn.functional as F
-
-import dflash_model as dm
 from common import time_fn
 
 # (name, kernel_options, kv block size of the BlockMask, gqa_packed)
@@ -120,7 +119,7 @@ def run(results, device, smoke: bool = False, variants=None, compare: bool = Tru
         del up, out
     note = f"pairs={pairs} density={density:.3f}"
     base = _grads(sdpa, inp)
-    errs = ",".join(f"{_rel(a, b):.1e}" for a, b in zip(base, ref)) if ref else ""
+    errs = ",".join(f"{_rel(a, b):.1e}" for a, b in zip(base, ref, strict=True)) if ref else ""
     t_fwd = time_fn(lambda: sdpa(), device, 2, 5 if smoke else 10)
     t = time_fn(lambda: sdpa().backward(inp["dout"]), device, 2, 5 if smoke else 10)
     results.add("attention", "sdpa_dense_mask", ms=t["ms"], fwd_ms=t_fwd["ms"],
@@ -145,7 +144,7 @@ def run(results, device, smoke: bool = False, variants=None, compare: bool = Tru
             if packed:
                 b, hkv = k.shape[:2]
 
-                def call(opts=opts, bm=bm, compiled=compiled):
+                def call(opts=opts, bm=bm, compiled=compiled, b=b, hkv=hkv, group=group):
                     qp = q.view(b, hkv, group * q_len, head_dim)  # heads of a group are adjacent
                     out = compiled(qp, k, v, block_mask=bm, scale=scale, kernel_options=opts)
                     return out.view(b, heads, q_len, head_dim)
@@ -154,7 +153,7 @@ def run(results, device, smoke: bool = False, variants=None, compare: bool = Tru
                     return compiled(q, k, v, block_mask=bm, scale=scale, enable_gqa=True,
                                     kernel_options=opts)
             got = _grads(call, inp)  # compiles fwd + bwd
-            errs = ",".join(f"{_rel(a, b):.1e}" for a, b in zip(got, ref)) if ref else ""
+            errs = ",".join(f"{_rel(a, b):.1e}" for a, b in zip(got, ref, strict=True)) if ref else ""
             agree = _rel(got[0], base[0])
             t_fwd = time_fn(lambda: call(), device, 3, 10 if not smoke else 3)
             t = time_fn(lambda: call().backward(inp["dout"]), device, 3, 20 if not smoke else 3)

@@ -67,7 +67,7 @@ class Results:
     def table(self) -> str:
         cols = ["section", "variant", "ms", "tflops", "mfu_pct", "tokens_per_s", "details"]
         keys = ["fwd_ms", "bwd_ms", "fwd_tflops", "bwd_tflops", "rel_err_out_dq_dk_dv",
-                "out_vs_sdpa", "rel_err_vs_project", "peak_gib", "first_step_s", "rc", "hung",
+                "out_vs_sdpa", "rel_err_vs_project", "peak_gib", "ready_s", "first_step_s", "rc", "hung",
                 "reached_step", "main_thread_warmup_s", "cold_s", "warm_s", "ratio", "warmup_cold_s",
                 "warmup_warm_s", "gpu_util_mean", "gpu_samples",
                 "lock_wait_s_per_step", "note"]

@@ -13,15 +13,14 @@ import gc
 import os
 import time
 
-import torch
-from transformers import Qwen3Config
-
 import compile_safety
 import dflash_model as dm
 import fast_paths
+import torch
 import training
 from common import QWEN3_8B, REMOTE, linear_flops, time_fn
 from train_config import load_config
+from transformers import Qwen3Config
 
 TARGET_27B = dict(dm.DEFAULT_TARGET)
 
@@ -75,10 +74,12 @@ def run_one(results, device, target_shape: dict, label: str, variants, smoke: bo
             cache_dir: str, ceiling: float, iters: int = 8):
     config = make_config(cache_dir, smoke)
     training.configure_compile(config, cache_dir)
+    fast_paths.compile_lm_head_loss()  # the LM-head region, as training.apply_compile does
     target_cfg = Qwen3Config(**target_shape)
     vocab = target_shape["vocab_size"]
     with torch.device(device):
-        template = training.build_drafter_template(config, target_cfg, vocab - 1)
+        template = training.build_drafter_template(
+            config, target_cfg, vocab - 1, training.target_layer_ids(config, target_cfg))
     dcfg = template.config
     dtype = torch.bfloat16 if config.train.autocast else torch.float32
     g = torch.Generator(device=device).manual_seed(1)
@@ -88,7 +89,7 @@ def run_one(results, device, target_shape: dict, label: str, variants, smoke: bo
     flops = step_flops(dcfg, config.data.max_length, batch.num_blocks, config.model.block_size,
                        pairs)
     for variant in variants:
-        worker = None
+        worker = step = None
         try:
             from torch.nn.attention.flex_attention import flex_attention
             # plain: the reference paths (fast_paths off); otherwise the project's training path
@@ -113,7 +114,7 @@ def run_one(results, device, target_shape: dict, label: str, variants, smoke: bo
             torch.cuda.reset_peak_memory_stats(device) if device != "cpu" else None
             losses = []
 
-            def step():
+            def step(worker=worker, losses=losses):
                 loss, _ = worker.forward_backward(batch)
                 worker.update()
                 losses.append(loss)
@@ -140,7 +141,7 @@ def run_one(results, device, target_shape: dict, label: str, variants, smoke: bo
                         note=f"FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
         finally:
             fast_paths.ENABLED = True
-            del worker
+            worker = step = None  # drops the worker (step holds it too)
             gc.collect()
             if device != "cpu":
                 torch.cuda.empty_cache()

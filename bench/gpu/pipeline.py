@@ -26,7 +26,6 @@ import threading
 import time
 
 import torch
-
 from common import REMOTE, time_fn
 
 QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
@@ -41,6 +40,8 @@ def make_target(out_dir: str, kind: str, smoke: bool) -> str:
     """A random-weight Qwen3 checkpoint of the given class with the tiny target's tokenizer."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    if os.path.isfile(os.path.join(out_dir, "config.json")):  # made by an earlier bench run
+        return out_dir
     if kind == "8b":
         from common import QWEN3_8B
         shape = {k: v for k, v in QWEN3_8B.items() if k != "rope_theta"}
@@ -140,6 +141,7 @@ def _layout(smoke: bool) -> tuple[str, list[str]]:
 
 STEP_RE = re.compile(r"step (\d+)/(\d+) .*\| ([\d.]+) tok/s")
 WARM_RE = re.compile(r"warm-up \(main thread\) done in ([\d.]+) s")
+READY_RE = re.compile(r" ready: ")
 
 
 def launch(script: str, args: list[str], log_path: str, timeout: float, env_extra=None):
@@ -148,7 +150,7 @@ def launch(script: str, args: list[str], log_path: str, timeout: float, env_extr
     for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):  # the config's cache dir rules
         env.pop(name, None)
     t0, wall0 = time.perf_counter(), time.time()
-    first_step = compile_s = None
+    first_step = compile_s = ready = None
     steps, hung = [], False
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, os.path.join(REMOTE, script), *args], env=env,
@@ -157,6 +159,8 @@ def launch(script: str, args: list[str], log_path: str, timeout: float, env_extr
         timer.start()
         for line in proc.stdout:
             log.write(line)
+            if ready is None and READY_RE.search(line):
+                ready = time.perf_counter() - t0
             w = WARM_RE.search(line)
             if w:
                 compile_s = float(w.group(1))
@@ -171,7 +175,7 @@ def launch(script: str, args: list[str], log_path: str, timeout: float, env_extr
         hung = not timer.is_alive() and rc != 0
         timer.cancel()
     return {"rc": rc, "hung": hung, "seconds": time.perf_counter() - t0, "wall0": wall0,
-            "first_step_s": first_step, "steps": steps,
+            "first_step_s": first_step, "ready_s": ready, "steps": steps,
             "warmup_s": compile_s}
 
 
@@ -222,6 +226,7 @@ def run(results, work: str, out_dir: str | None, smoke: bool, kind: str = "4b",
             results.add("pipeline", f"cold launch {i}", rc=r["rc"], hung=r["hung"],
                         **{f"gpu_{k}": v for k, v in util.items()},
                         reached_step=last, ms=r["seconds"] * 1e3, first_step_s=r["first_step_s"],
+                        ready_s=r["ready_s"],
                         main_thread_warmup_s=r["warmup_s"],
                         tokens_per_s=sum(tail) / len(tail) if tail else None,
                         note=f"ok={r['rc'] == 0 and last == steps}")
@@ -255,7 +260,7 @@ def run(results, work: str, out_dir: str | None, smoke: bool, kind: str = "4b",
             results.add("pipeline", "warmup_compile.py", rc=w["rc"], ms=w["seconds"] * 1e3)
             results.add("pipeline", "warm launch", rc=r["rc"], killed_by_watchdog=r["hung"],
                         reached_step=r["steps"][-1]["step"] if r["steps"] else 0,
-                        ms=r["seconds"] * 1e3, first_step_s=r["first_step_s"],
+                        ms=r["seconds"] * 1e3, first_step_s=r["first_step_s"], ready_s=r["ready_s"],
                         main_thread_warmup_s=r["warmup_s"],
                         tokens_per_s=sum(s["tok_s"] for s in tail) / len(tail) if tail else None,
                         **{f"gpu_{k}": v for k, v in util.items()})
@@ -295,7 +300,9 @@ def alone(results, config_path, target_path, data, cache, steps, smoke, sampler)
     tokenizer = load_tokenizer(target_path)
     examples = load_examples(data, tokenizer, config.data.assistant_header,
                              config.data.end_of_turn, config.data.max_length)
-    target = Target(target_path, [dev], config.target.dtype)
+    from target_model import load_target_config
+    target = Target(target_path, [dev], config.target.dtype,
+                    training.target_layer_ids(config, load_target_config(target_path)))
     drafters = training.build_drafters(config, target, tokenizer, drafter_devs)
     workers = drafters.workers
 
@@ -323,7 +330,7 @@ def alone(results, config_path, target_path, data, cache, steps, smoke, sampler)
     pool = ThreadPoolExecutor(max_workers=3)
 
     def drafter_step():
-        list(pool.map(lambda wb: wb[0].forward_backward(wb[1]), zip(workers, batches)))
+        list(pool.map(lambda wb: wb[0].forward_backward(wb[1]), zip(workers, batches, strict=True)))
         training.average_gradients(workers)
         list(pool.map(lambda w: w.update(), workers))
 

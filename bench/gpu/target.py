@@ -1,4 +1,8 @@
-"""Target hidden-state extraction: a random-weight Qwen3-8B-shaped transformers model in bf16.
+"""Target hidden-state extraction: a random-weight Qwen3-8B or 27B-class transformers model in bf16.
+
+The 27B class is dflash_model.DEFAULT_TARGET (the production target's widths: H 5120, 64 layers,
+24 q / 4 kv heads of 256, vocab 248320; every layer full attention), the shape the drafter
+section's 27B rows use too. Taps: 5, spread as training spreads them.
 
 FLOPs counted: 2 * (decoder-layer parameters run) * tokens for the matrix products, plus causal
 attention 2 * S^2 * D * Hq per layer and sequence (QK^T and PV over the S^2/2 visible pairs).
@@ -9,17 +13,17 @@ from __future__ import annotations
 
 import gc
 
-import torch
-
+import dflash_model as dm
 import fast_paths
+import torch
 from common import QWEN3_8B, time_fn
 from target_model import Target, random_weights_model
 
 
-def build_model(device, smoke: bool):
+def build_model(device, smoke: bool, kind: str = "8b"):
     from transformers import Qwen3Config
 
-    shape = dict(QWEN3_8B)
+    shape = dict(QWEN3_8B) if kind == "8b" else dict(dm.DEFAULT_TARGET)
     if smoke:
         shape.update(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=8,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
@@ -31,19 +35,23 @@ def build_model(device, smoke: bool):
     return random_weights_model(config, dtype, device), config
 
 
+def _params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
 def _rel(a, b) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def run(results, device, smoke, ceiling, batches=(4, 1), compile_layers=True):
-    model, config = build_model(device, smoke)
+def run(results, device, smoke, ceiling, batches=(4, 1), compile_layers=True, kind="8b",
+        variants=None):
+    model, config = build_model(device, smoke, kind)
     layers = model.model.layers
     per_layer = sum(p.numel() for p in layers[0].parameters())
-    taps = [1, 9, 17, 25, 33] if not smoke else [1, 2, 3, 4, 5]
+    taps = dm.build_target_layer_ids(len(layers), 5)
     seq = 3072 if not smoke else 64
-    target = Target.__new__(Target)  # the project's extraction path on this model
-    target.model, target.config, target.devices, target.layer_ids = model, config, [device], taps
-    target.compiled_layers = 0
+    target = Target.from_model(model, [device], taps)  # the project's extraction path
+    label = f"{kind}: " if kind != "8b" else ""
 
     def flops(batch, layers_run):
         attn = 2.0 * seq * seq * config.head_dim * config.num_attention_heads
@@ -53,9 +61,11 @@ def run(results, device, smoke, ceiling, batches=(4, 1), compile_layers=True):
     # reference: transformers with the padding mask, every layer (the baseline); eager fast path
     # (no mask, stop after the last tap); the project's path, Target.context_features, which on
     # CUDA is the fast path with each layer compiled through compile_safety (on first call).
-    variants = [("reference(mask,all layers)", False), ("fast eager(no mask, stop after tap)", False)]
+    every = [("reference(mask,all layers)", False), ("fast eager(no mask, stop after tap)", False)]
     if compile_layers:
-        variants.append(("project: Target.context_features (fast + compiled layers)", True))
+        every.append(("project: Target.context_features (fast + compiled layers)", True))
+    variants = [v for v in every if variants is None or v[0].split(":")[0].split("(")[0].strip()
+                in variants]
     # inputs and references first, before anything is compiled (the compiled layers would
     # otherwise serve the reference too): the reference with the padding mask (right padding on
     # the last row, as collate pads) and with an all-ones mask (transformers drops it: SDPA's
@@ -70,7 +80,7 @@ def run(results, device, smoke, ceiling, batches=(4, 1), compile_layers=True):
                        target.reference_features(ids, torch.ones_like(mask), device).float())
         if batch > 1:  # what the choice of SDPA kernel alone moves, on the unpadded rows
             masked, ones = refs[batch]
-            results.add("target_extraction", f"kernel noise B={batch}",
+            results.add("target_extraction", f"{label}kernel noise B={batch}",
                         rel_err_masked_vs_causal_kernel=_rel(masked[:-1], ones[:-1]),
                         note="reference with padding mask vs all-ones mask, rows without padding")
 
@@ -78,13 +88,15 @@ def run(results, device, smoke, ceiling, batches=(4, 1), compile_layers=True):
         for batch in batches:
             ids, mask = inputs[batch]
             if name.startswith("reference"):
-                fn, run_layers = (lambda: target.reference_features(ids, mask, device)), len(layers)
+                fn = lambda ids=ids, mask=mask: target.reference_features(ids, mask, device)  # noqa: E731
+                run_layers = len(layers)
             elif project:
-                fn = lambda: target.context_features(ids, mask, device)  # noqa: E731
+                target.compile_layers()  # training.apply_compile's first region
+                fn = lambda ids=ids, mask=mask: target.context_features(ids, mask, device)  # noqa: E731
                 run_layers = max(taps) + 1
             else:
                 ids_dev = ids.to(device)
-                fn = lambda: fast_paths.target_features(model, ids_dev, taps, device)  # noqa: E731
+                fn = lambda ids_dev=ids_dev: fast_paths.target_features(model, ids_dev, taps, device)  # noqa: E731
                 run_layers = max(taps) + 1
             try:
                 graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -97,16 +109,17 @@ def run(results, device, smoke, ceiling, batches=(4, 1), compile_layers=True):
                 err = _rel(got[real], masked[real])
                 err_causal = _rel(got[:-1], ones[:-1]) if batch > 1 else None
                 f = flops(batch, run_layers)
-                results.add("target_extraction", f"{name} B={batch}", ms=t["ms"],
+                results.add("target_extraction", f"{label}{name} B={batch}", ms=t["ms"],
                             tflops=f / t["ms"] / 1e9, mfu_pct=100 * f / t["ms"] / 1e9 / ceiling,
                             tokens_per_s=batch * seq / t["ms"] * 1e3, first_call_ms=first,
                             rel_err_vs_reference=err, rel_err_unpadded_vs_causal_ref=err_causal,
                             layers_run=run_layers, compiled_layers=target.compiled_layers,
-                            new_dynamo_graphs_first_call=graphs, note=f"S={seq} taps={taps}")
+                            new_dynamo_graphs_first_call=graphs, params_b=_params(model) / 1e9,
+                            note=f"S={seq} taps={taps}")
             except Exception as exc:
                 import traceback
                 traceback.print_exc()
-                results.add("target_extraction", f"{name} B={batch}",
+                results.add("target_extraction", f"{label}{name} B={batch}",
                             note=f"FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
-    del model, target
+    model = target = None  # drops them (the timed lambdas hold them through their closures too)
     gc.collect()

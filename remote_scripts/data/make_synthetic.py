@@ -6,11 +6,13 @@ fitted on it (make_tiny_target.py --fit-steps) answers it greedily, which is wha
 with the target's own outputs needs. Rows: {"id", "conversations": [{"role", "content"}]}.
 
     python remote_scripts/data/make_synthetic.py [--train 4000] [--heldout 200] [--seed 0]
+        [--out DIR] [--format dflash|sharegpt|openai]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -85,19 +87,41 @@ def _fact(rng):
     return f"what sound does the {subject} make ?", f"the {subject} makes {value} , {value} ."
 
 
+HELDOUT_SHARE = 0.15  # of the prompt space; held-out conversations use only those prompts
 TASKS = [_count, _count_down, lambda r: _cycle(r, DAYS, "days"),
          lambda r: _cycle(r, MONTHS, "months"), _letters, _say_times, _repeat, _fact]
+
+
+def split_of(prompt: str) -> str:
+    """Every prompt belongs to one split, by a hash of its normalised text: no held-out prompt is
+    ever asked in training, in any turn (a leaked prompt flatters the held-out metrics)."""
+    digest = hashlib.sha256(" ".join(prompt.lower().split()).encode()).digest()
+    return "heldout" if digest[0] < 256 * HELDOUT_SHARE else "train"
 
 
 def conversation(rng: random.Random, index: int, split: str) -> dict:
     turns = []
     for _ in range(rng.choice([1, 1, 2])):
-        prompt, answer = rng.choice(TASKS)(rng)
+        while True:
+            prompt, answer = rng.choice(TASKS)(rng)
+            if split_of(prompt) == split:
+                break
         turns += [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
     return {"id": f"{split}-{index}", "conversations": turns}
 
 
-def write_split(path: str, count: int, seed: int, split: str, exclude: set | None = None) -> set:
+def in_format(row: dict, fmt: str) -> dict:
+    """Our row as a ShareGPT or OpenAI-messages row (what users bring from a datasets hub)."""
+    if fmt == "sharegpt":
+        names = {"user": "human", "assistant": "gpt", "system": "system"}
+        return {"id": row["id"], "conversations": [{"from": names[t["role"]], "value": t["content"]}
+                                                   for t in row["conversations"]]}
+    if fmt == "openai":
+        return {"messages": row["conversations"]}
+    return row
+
+
+def write_split(path: str, count: int, seed: int, split: str, fmt: str = "dflash") -> None:
     rng = random.Random(seed)
     seen = set()
     with open(path, "w") as f:
@@ -105,12 +129,11 @@ def write_split(path: str, count: int, seed: int, split: str, exclude: set | Non
         while index < count:
             row = conversation(rng, index, split)
             key = json.dumps(row["conversations"])
-            if key in seen or (exclude and key in exclude):
-                continue  # no repeats; held-out conversations never appear in training
+            if key in seen:
+                continue  # no repeated conversations
             seen.add(key)
-            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps(in_format(row, fmt)) + "\n")
             index += 1
-    return seen
 
 
 def main():
@@ -119,12 +142,13 @@ def main():
     parser.add_argument("--train", type=int, default=4000)
     parser.add_argument("--heldout", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--format", default="dflash", choices=["dflash", "sharegpt", "openai"],
+                        help="row format (the same conversations either way)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    held = write_split(os.path.join(args.out, "heldout.jsonl"), args.heldout, args.seed + 1,
-                       "heldout")
-    write_split(os.path.join(args.out, "train.jsonl"), args.train, args.seed, "train",
-                exclude=held)
+    write_split(os.path.join(args.out, "heldout.jsonl"), args.heldout, args.seed + 1, "heldout",
+                args.format)
+    write_split(os.path.join(args.out, "train.jsonl"), args.train, args.seed, "train", args.format)
     print(f"wrote {args.train} train and {args.heldout} held-out conversations to {args.out}")
 
 

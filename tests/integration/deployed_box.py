@@ -1,6 +1,7 @@
-"""One sandbox of our own for test_deploy / test_doctor / test_caches: container 200 fresh (never
-deployed by another test file, no run holding its lock), 201 stopped. Built once per session and
-deployed once by the first test that needs it: the venv with torch is the slow part."""
+"""A sandbox of our own for test_deploy / test_caches: container 200 fresh (never deployed by another
+test file, no run holding its lock), 201 stopped. Built once per session and deployed once by the
+first test that needs it: the venv with torch is the slow part. test_doctor gets another one, seeded
+from the run's template (ct_template.seed) and deployed: the same state without a second pip."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ import os
 import subprocess
 from pathlib import Path
 
+from ct_template import seed
+from parallel import worker
+
 from dflash_ops import deploy
 from dflash_ops import sandbox as sandbox_mod
-from dflash_ops.cli import Target
 from dflash_ops.inventory import load_inventory
+from dflash_ops.target import Target
 from dflash_ops.transport import HostSession
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,21 +54,38 @@ class Box:
         container = inv.container(ct)
         return Target(inv, container, HostSession(container.host), False)
 
+    def count_venv_starts(self) -> None:
+        """From now on each start of the venv's interpreter appends its pid to /root/venv-starts (a .pth
+        line runs at every start, Debian's site.py may run it twice): a torch check is one start, a
+        deploy that imports no torch makes none."""
+        self.sh("rm -f /root/venv-starts; for d in /root/venv/lib/python3*/site-packages; do "
+                "echo \"import os; open('/root/venv-starts', 'a').write('%d ' % os.getpid())\" > "
+                "$d/zz-count-starts.pth; done")
+
+    def venv_starts(self) -> int:
+        return len(set(self.sh("cat /root/venv-starts 2>/dev/null; true").stdout.split()))
+
+    def stop_counting_venv_starts(self) -> None:
+        self.sh("rm -f /root/venv-starts /root/venv/lib/python3*/site-packages/zz-count-starts.pth")
+
     def snapshot(self) -> str:
         """Every file of the code releases with size and mtime, and where the code link points."""
         return self.sh('readlink /root/dflash; cd /root/dflash.releases && '
                        'find . -path "*/__pycache__" -prune -o -type f -printf "%p %s %T@\\n" | sort').stdout
 
 
+LAYOUT = {"containers": (200,), "stopped": (201,)}
+
+
 def box(sandbox_factory, tmp_path_factory) -> Box:
     """$DFLASH_TEST_DEPLOY_STATE keeps the box between sessions (quicker reruns; then not fresh)."""
     if "box" not in _BOX:
-        layout = {"containers": (200,), "stopped": (201,)}
         kept = os.environ.get("DFLASH_TEST_DEPLOY_STATE")
         if kept:
-            sb = sandbox_mod.up(kept, inventory_path=os.path.join(kept, "sandbox.yaml"), **layout)
+            kept = os.path.join(kept, worker())
+            sb = sandbox_mod.up(kept, inventory_path=os.path.join(kept, "sandbox.yaml"), **LAYOUT)
         else:
-            sb = sandbox_factory(**layout)
+            sb = sandbox_factory(**LAYOUT)
         _BOX["box"] = Box(sb, deploy.snapshot_checkout(tmp_path_factory.mktemp("checkout")))
     return _BOX["box"]
 
@@ -75,4 +96,13 @@ def deployed_box(sandbox_factory, tmp_path_factory) -> Box:
     if b.deployed is None:
         b.deployed = b.invoke("deploy", timeout=900)
         assert b.deployed.returncode == 0, b.deployed.stdout + b.deployed.stderr
+    return b
+
+
+def seeded_box(sandbox_factory, tmp_path_factory, template) -> Box:
+    """A box of its own whose container 200 has the template's venv and model, then one `invoke deploy`."""
+    b = Box(sandbox_factory(**LAYOUT), deploy.snapshot_checkout(tmp_path_factory.mktemp("checkout")))
+    seed(template, b.sandbox)
+    b.deployed = b.invoke("deploy", timeout=900)
+    assert b.deployed.returncode == 0, b.deployed.stdout + b.deployed.stderr
     return b

@@ -3,7 +3,6 @@
 import time
 
 import pytest
-
 from deployed_box import box as make_box
 
 pytestmark = pytest.mark.integration
@@ -19,7 +18,8 @@ HOLD_LOCK = ('mkdir -p /root/runs && echo fake-run > /root/runs/.current && '
 
 @pytest.fixture(scope="module")
 def box(sandbox_factory, tmp_path_factory):
-    return make_box(sandbox_factory, tmp_path_factory)  # clean-cache needs no venv: the cleaner runs on the system python
+    # clean-cache needs no venv: the cleaner runs on the system python
+    return make_box(sandbox_factory, tmp_path_factory)
 
 
 def lock_held(box) -> bool:
@@ -64,7 +64,8 @@ def test_refused_while_a_run_is_alive_and_force_overrides(box, live_run):
     refused = box.invoke("clean-cache")
     assert refused.returncode == 6
     assert "error: run 'fake-run' is alive on pve1/200" in refused.stderr and "--force" in refused.stderr
-    assert box.container("test", "-f", "/root/.cache/dflash/inductor/fx/graph.bin", check=False).returncode == 0
+    assert box.container("test", "-f", "/root/.cache/dflash/inductor/fx/graph.bin",
+                         check=False).returncode == 0
     forced = box.invoke("clean-cache", "--force")
     assert forced.returncode == 0, forced.stderr
     assert "freed 297.9 KiB (305000 bytes)" in forced.stdout

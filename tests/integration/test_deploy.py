@@ -1,6 +1,9 @@
-"""invoke deploy against the embedded host: fresh container, repeat, one-file change, interruption, dry-run."""
+"""invoke deploy against the embedded host: fresh container, repeat, one-file change,
+interruption, dry-run."""
 
 import json
+import os
+import re
 import shutil
 import socket
 import subprocess
@@ -8,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from deployed_box import deployed_box
-from dflash_ops import deploy, facts
+
+from dflash_ops import container_facts, deploy, facts
 from dflash_ops.errors import RemoteCommandFailed
 
 pytestmark = pytest.mark.integration
@@ -44,18 +47,68 @@ def test_fresh_container_gets_code_venv_torch_and_tiny_target(box):
     assert box.sh("readlink /root/dflash").stdout.strip() == f"/root/dflash.releases/{manifest['tree'][:16]}"
     sums = box.sh('cd /root/dflash && find . -type f ! -name "*.pyc" ! -name .dflash-manifest.json '
                   '-exec sha256sum {} +').stdout
-    assert {name[2:]: digest for digest, name in (ln.split() for ln in sums.splitlines())} == manifest["files"]
+    assert {name[2:]: digest
+            for digest, name in (ln.split() for ln in sums.splitlines())} == manifest["files"]
     assert box.container("test", "-f", "/dev/shm/tiny-qwen3/config.json", check=False).returncode == 0
 
 
-def test_second_deploy_sends_nothing_and_changes_nothing(box):
-    before = box.snapshot()
-    r = box.invoke("deploy")
+RECORD = f"/root/venv/{container_facts.TORCH_RECORD}"
+
+
+@pytest.fixture
+def counted(box):
+    """The box with the venv interpreter's starts counted (see Box.count_venv_starts)."""
+    box.count_venv_starts()
+    yield box
+    box.stop_counting_venv_starts()
+
+
+def record(box) -> tuple[dict, str]:
+    """The venv's recorded torch check and its file's modification time (ns)."""
+    return json.loads(box.container("cat", RECORD).stdout), box.container("stat", "-c", "%y", RECORD).stdout
+
+
+def test_second_deploy_sends_nothing_changes_nothing_and_imports_no_torch(counted):
+    box = counted
+    before, recorded = box.snapshot(), record(box)
+    r = box.invoke("deploy", env={"DFLASH_OPS_STATS": "1"})
     assert r.returncode == 0, r.stderr
     numbers = deploy.parse_describe(r.stdout)
     assert numbers["files_sent"] == 0 and numbers["bytes_sent"] == 0 and numbers["round_trips"] == 1
+    assert "ssh stats: pve1: 1 connection(s), 1 round trip(s)" in r.stderr
     assert "code: up to date" in r.stdout and "venv: up to date" in r.stdout and "(up to date)" in r.stdout
+    assert "recorded check" in r.stdout and "0 GPUs visible, as the CPU-only roles expect" in r.stdout
+    assert box.venv_starts() == 0  # the venv's interpreter never started: no torch import
+    assert record(box) == recorded  # the recorded check was read, not rewritten
     assert box.snapshot() == before
+
+
+def test_the_torch_check_runs_again_for_check_new_gpus_or_new_requirements(counted, tmp_path):
+    box = counted
+    forced = box.invoke("deploy", "--check")
+    assert forced.returncode == 0, forced.stderr
+    assert "recorded check" not in forced.stdout and "checked)" in forced.stdout
+    assert box.venv_starts() == 1
+    # Another GPU set (the visibility variable the container's processes get): checked again, once.
+    data = yaml.safe_load(Path(box.inventory).read_text())
+    data["containers"][200]["env"]["CUDA_VISIBLE_DEVICES"] = "0"
+    other_gpus = tmp_path / "other-gpus.yaml"
+    other_gpus.write_text(yaml.safe_dump(data))
+    for starts in (2, 2):
+        r = box.invoke("deploy", inventory=str(other_gpus))
+        assert r.returncode == 0, r.stderr
+        assert box.venv_starts() == starts
+    assert record(box)[0]["key"]["gpus"]["visible"] == {"CUDA_VISIBLE_DEVICES": "0"}
+    back = box.invoke("deploy")
+    assert back.returncode == 0 and "checked)" in back.stdout and box.venv_starts() == 3
+    # The venv built from other requirements: pip refreshes it, then torch is checked again.
+    stamp = f"/root/venv/{container_facts.REQUIREMENTS_STAMP}"
+    want = box.container("cat", stamp).stdout.strip()
+    box.sh(f"echo other > {stamp}")
+    r = box.invoke("deploy")
+    assert r.returncode == 0, r.stderr
+    assert "venv: refreshing /root/venv" in r.stdout and "checked)" in r.stdout
+    assert record(box)[0]["key"]["requirements"] == want
 
 
 def test_one_changed_file_sends_one_file(box):
@@ -76,6 +129,37 @@ def test_one_changed_file_sends_one_file(box):
     assert box.container("cat", "/root/dflash/train_config.py").stdout == original
 
 
+# A real `pct push` prints its error and exits 0, and writes short without a word when the disk fills
+# (pct-real.md); the stand-in does the same. The container's /tmp, where the tarball lands, is made
+# read-only or tiny by a tmpfs mounted over it in the container's mount namespace.
+@pytest.mark.parametrize("tmp_mount, said", [
+    ("ro",
+     "failed: failed to create file: /tmp/dflash-deploy-200-{}.tar.gz.dflash-part: Read-only file system; "),
+    ("size=4k", "wrote 4096 of {} bytes and said nothing (a full disk in the container?); "),
+])
+def test_a_failed_or_short_push_is_one_line_and_changes_nothing(box, tmp_mount, said):
+    ballast = box.checkout / "remote_scripts" / "ballast.bin"
+    ballast.write_bytes(os.urandom(65536))  # incompressible: the tarball is bigger than the tiny /tmp
+    before, host_tmps = box.snapshot(), set(Path("/tmp").glob("dflash-deploy-200-*"))
+    box.container("mount", "-t", "tmpfs", "-o", tmp_mount, "tmpfs", "/tmp")
+    try:
+        r = box.invoke("deploy")
+        left_in_tmp = box.container("ls", "-A", "/tmp").stdout.split()
+    finally:
+        box.container("umount", "/tmp", check=False)
+        ballast.unlink()
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 5 and len(lines) == 1, (r.returncode, r.stderr)
+    m = re.fullmatch(r"error: pve1/200: pct push of the release tarball \(([0-9]+) bytes\) (.*)nothing "
+                     r"changed in "
+                     r"the container", lines[0])
+    assert m, lines
+    stem = re.search(r"dflash-deploy-200-([0-9a-f]+)\.tar", lines[0])
+    assert m.group(2) == said.format(stem.group(1) if stem else m.group(1)), lines
+    assert box.snapshot() == before and left_in_tmp == []
+    assert set(Path("/tmp").glob("dflash-deploy-200-*")) == host_tmps  # the host's copy is removed too
+
+
 def test_interrupted_deploy_keeps_the_previous_release_whole_and_runnable(box, tree_copy):
     t = box.target()
     before = box.snapshot()
@@ -84,7 +168,8 @@ def test_interrupted_deploy_keeps_the_previous_release_whole_and_runnable(box, t
     big.write_bytes(big.read_bytes() + b'{"note": "changed"}\n')
     (tree_copy / "remote_scripts" / "train_config.py").write_text("raise SystemExit('half-deployed')\n")
     local = deploy.local_tree(tree_copy)
-    probe = facts.parse_json_line(t.session.run_in(t.container, facts.facts_line(t.container, ("code",))).stdout, "t")
+    probe = facts.parse_json_line(t.session.run_in(t.container,
+                                                   facts.facts_line(t.container, ("code",))).stdout, "t")
     plan = deploy.make_plan({r: f.sha256 for r, f in local.items()}, probe["code"])
     assert set(plan.changed) == {"data/train.jsonl", "train_config.py"}
     data = deploy.pack(local, plan.changed, deploy.manifest_bytes(local, plan.tree))
@@ -96,7 +181,8 @@ def test_interrupted_deploy_keeps_the_previous_release_whole_and_runnable(box, t
     after = box.snapshot().splitlines()
     assert any(".stage-" in ln for ln in after)  # the unfinished stage, beside the releases, never linked
     assert [ln for ln in after if ".stage-" not in ln] == before.splitlines()
-    runnable = box.sh("cd /root/dflash && /root/venv/bin/python -c 'import train_config, dflash_model; print(1)'",
+    runnable = box.sh("cd /root/dflash && /root/venv/bin/python -c 'import train_config, "
+                      "dflash_model; print(1)'",
                       check=False)
     assert runnable.returncode == 0 and runnable.stdout.strip() == "1", runnable.stderr
     report = deploy.deploy(t, root=tree_copy, **QUIET)  # the next deploy completes
@@ -120,8 +206,9 @@ def test_dry_run_prints_the_lines_and_connects_to_nothing(box, tmp_path):
     r = box.invoke("deploy", "--dry-run", inventory=str(inventory))
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    pct = data["hosts"]["pve1"]["pct"]
-    assert lines[0].startswith(f"{pct} exec 200 -- env -i -- ") and " facts " in lines[0]
+    pct = "env LC_ALL=C.UTF-8 " + data["hosts"]["pve1"]["pct"]  # commands.pct_argv
+    assert lines[0].startswith(f"{pct} exec 200 -- sh -c ") and " dflash-session env -i -- " in lines[0]
+    assert " facts " in lines[0]
     assert any(ln.startswith("# sftp put ") for ln in lines)
     assert any(ln.startswith(f"{pct} push 200 /tmp/dflash-deploy-200-") for ln in lines)
     assert any("pip install" in ln for ln in lines)

@@ -1,8 +1,8 @@
-"""invoke doctor against the embedded host: all green on a deployed container, the right red line otherwise."""
+"""invoke doctor against the embedded host: all green on a deployed container, the
+right red line otherwise."""
 
 import pytest
-
-from deployed_box import deployed_box
+from deployed_box import seeded_box
 
 pytestmark = pytest.mark.integration
 CHECKS = ("host reachable", "container running", "GPUs (nvidia-smi)", "torch / CUDA", "venv", "deployed code",
@@ -10,8 +10,8 @@ CHECKS = ("host reachable", "container running", "GPUs (nvidia-smi)", "torch / C
 
 
 @pytest.fixture(scope="module")
-def box(sandbox_factory, tmp_path_factory):
-    return deployed_box(sandbox_factory, tmp_path_factory)
+def box(sandbox_factory, tmp_path_factory, template):
+    return seeded_box(sandbox_factory, tmp_path_factory, template)
 
 
 def rows(output: str) -> dict:
@@ -25,7 +25,14 @@ def rows(output: str) -> dict:
 
 
 def test_healthy_container_passes_every_check_in_one_round_trip(box):
-    r = box.invoke("doctor", env={"DFLASH_OPS_STATS": "1"})
+    box.count_venv_starts()
+    try:
+        r = box.invoke("doctor", env={"DFLASH_OPS_STATS": "1"})
+        again = box.invoke("doctor")
+        starts = box.venv_starts()
+    finally:
+        box.stop_counting_venv_starts()
+    assert again.returncode == 0 and starts == 2  # torch imported by each doctor: never a recorded check
     assert r.returncode == 0, r.stdout + r.stderr
     found = rows(r.stdout)
     assert set(found) == set(CHECKS)

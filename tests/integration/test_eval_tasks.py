@@ -9,9 +9,9 @@ not the drafter's quality (tests/remote/test_eval.py measures that with a fitted
 import hashlib
 import json
 import os
+import subprocess
 
 import pytest
-
 from training_runs import deployed  # noqa: F401 (the module's deployed container)
 
 pytestmark = pytest.mark.integration
@@ -35,7 +35,8 @@ def trained(deployed):
 
 
 def test_regenerated_answers_are_the_targets(trained):
-    rows = [json.loads(line) for line in trained.container("cat", "/root/data/heldout.jsonl").stdout.splitlines()]
+    rows = [json.loads(line)
+            for line in trained.container("cat", "/root/data/heldout.jsonl").stdout.splitlines()]
     shipped = [json.loads(line) for line in
                trained.container("cat", "/root/dflash/data/heldout.jsonl").stdout.splitlines()[:64]]
     assert [r["id"] for r in rows] == [r["id"] for r in shipped]
@@ -76,7 +77,7 @@ def test_fetch_brings_the_checkpoint_back_verified_and_refuses_to_overwrite(trai
     assert "sha256 verified" in out
     listing = trained.container("sha256sum", f"/root/runs/{RUN}/checkpoints/step-20/model.safetensors",
                                 f"/root/runs/{RUN}/checkpoints/step-20/config.json").stdout.split()
-    remote = {os.path.basename(path): sha for sha, path in zip(listing[::2], listing[1::2])}
+    remote = {os.path.basename(path): sha for sha, path in zip(listing[::2], listing[1::2], strict=True)}
     local = {name: hashlib.sha256((to / name).read_bytes()).hexdigest() for name in remote}
     assert local == remote
     assert sorted(os.listdir(to)) == ["SHA256SUMS", "config.json", "model.safetensors"]
@@ -87,11 +88,13 @@ def test_fetch_brings_the_checkpoint_back_verified_and_refuses_to_overwrite(trai
 
     refused = trained.invoke("fetch", "--run", RUN, "--to", str(to), check=False)
     assert refused.returncode == 2 and "--force" in refused.stderr
-    again = trained.invoke("fetch", "--run", RUN, "--to", str(to), "--checkpoint", "step-10", "--force").stdout
+    again = trained.invoke("fetch", "--run", RUN, "--to", str(to), "--checkpoint", "step-10",
+                           "--force").stdout
     assert "checkpoints/step-10" in again
     missing = trained.invoke("fetch", "--run", RUN, "--to", str(tmp_path / "x"), "--checkpoint", "step-7",
                              check=False)
-    assert missing.returncode == 6 and "no checkpoint step-7" in missing.stderr
+    assert missing.returncode == 6
+    assert f"no checkpoint /root/runs/{RUN}/checkpoints/step-7" in missing.stderr
     assert not (tmp_path / "x").exists()
 
 
@@ -101,8 +104,8 @@ def test_status_watch_redraws_in_place_and_shows_failed_refreshes(trained):
     from rich.console import Console
 
     from dflash_ops import watch
-    from dflash_ops.cli import Target
     from dflash_ops.inventory import load_inventory
+    from dflash_ops.target import Target
     from dflash_ops.transport import HostSession
 
     inv = load_inventory(trained.inventory)
@@ -123,3 +126,55 @@ def test_status_watch_redraws_in_place_and_shows_failed_refreshes(trained):
     bad = watch.watch(Target(inv, ct, unreachable, False), RUN, interval=0.1, iterations=2,
                       console=Console(file=screen, force_terminal=True, width=120))
     assert bad == 0 and screen.getvalue().count("refresh failed") >= 2
+
+
+def test_eval_shows_the_runs_config_paths_visibly(deployed):
+    """A path in the run's config.yaml (the container's file) reaches the terminal made visible: no raw
+    escape, markup shown literally, one error line (issue 14: `eval` showed them raw)."""
+    import yaml
+    from test_terminal_output import HOSTILE, MARKUP, assert_shown_safely, invoke_bytes
+
+    tree = yaml.safe_load(deployed.container("cat", "/root/dflash/configs/tiny-cpu.yaml").stdout)
+    tree["target"]["path"] = "/dev/shm/gone" + HOSTILE
+    run = "/root/runs/shown-eval"
+    deployed.sh(f"rm -rf {run} && mkdir -p {run}/checkpoints/step-1 && printf 'step-1\\n' > "
+                f"{run}/checkpoints/latest && : > {run}/checkpoints/step-1/training_state.pt && cat > "
+                f"{run}/config.yaml",
+                data=yaml.safe_dump(tree).encode())
+    r = invoke_bytes(deployed, "eval", "--run", "shown-eval", "--num-prompts", "1")
+    assert r.returncode == 5, (r.returncode, r.stderr[-2000:])
+    text = assert_shown_safely(r)
+    assert "target checkpoint directory not found: /dev/shm/gone^[]0;TITLE^G" in text and MARKUP in text, text
+
+
+def test_regenerate_from_a_sharegpt_file_in_the_container_and_a_bad_file_is_one_line(deployed, tmp_path):
+    """`invoke regenerate --src` on a user's own file: its format detected and shown, our rows and the
+    provenance record written; a binary file is one line (the script's error was shown twice: streamed,
+    then in the task's error), exit 5, nothing written."""
+    from training_runs import CT, REPO
+
+    fixture = REPO / "tests" / "fixtures" / "data" / "sharegpt.jsonl"
+    (tmp_path / "junk.jsonl").write_bytes(bytes(range(1, 256)) * 256)
+    deployed.container("mkdir", "-p", "/root/own")
+    for local, remote in ((fixture, "/root/own/chats.jsonl"),
+                          (tmp_path / "junk.jsonl", "/root/own/junk.jsonl")):
+        subprocess.run([str(deployed.sandbox.pct), "push", CT, str(local), remote], check=True)
+    out = deployed.invoke("regenerate", "--src", "/root/own/chats.jsonl", "--out-dir", "/root/own/out",
+                          "--max-new-tokens", "4", timeout=600).stdout
+    assert "read /root/own/chats.jsonl: sharegpt rows in jsonl, 5 read" in out.splitlines()
+    assert "/root/own/out/chats.jsonl: 5 rows, " in out
+    written = deployed.container("cat", "/root/own/out/chats.jsonl").stdout
+    rows = [json.loads(line) for line in written.splitlines()]
+    assert [r["id"] for r in rows] == ["sg-1", "sg-2", "sg-3", "sg-4", "sg-5"]
+    roles = [t["role"] for t in rows[0]["conversations"]]
+    assert roles == ["system", "user", "assistant", "user", "assistant"]
+    record = json.loads(deployed.container("cat", "/root/own/out/chats.jsonl.provenance.json").stdout)
+    assert record["source"] == "/root/own/chats.jsonl" and record["counts"]["rows"] == 5
+
+    bad = deployed.invoke("regenerate", "--src", "/root/own/junk.jsonl", "--out-dir", "/root/own/out",
+                          check=False)
+    assert bad.returncode == 5 and "Traceback" not in bad.stderr, bad.stderr
+    [line] = bad.stderr.strip().splitlines()
+    assert "regeneration failed (exit 2): regenerate_data: error: /root/own/junk.jsonl: " in line
+    assert "rows unusable" in line and "not JSON" in line
+    assert deployed.container("test", "-e", "/root/own/out/junk.jsonl", check=False).returncode == 1

@@ -7,7 +7,7 @@ import re
 import signal
 
 import pytest
-
+from ct_template import seed
 from fanout_cli import Cli, rows
 
 pytestmark = pytest.mark.integration
@@ -16,8 +16,11 @@ QUICK = ["--set", "data.heldout=null", "--set", "train.log_every=1", "--set", "t
 
 
 @pytest.fixture(scope="module")
-def cli(sandbox_factory):
-    return Cli(sandbox_factory(containers=(200,), hosts=2))
+def cli(sandbox_factory, template):
+    sb = sandbox_factory(containers=(200,), hosts=2)
+    for host, ctid in (("pve1", 200), ("pve2", 201)):
+        seed(template, sb, host, ctid)  # the deploys below ship the code; no pip (see ct_template)
+    return Cli(sb)
 
 
 def test_deploy_twice_then_doctor_on_both_hosts(cli):
@@ -59,7 +62,7 @@ def test_status_logs_stop_one_row_per_container(cli):
     for ctid in (200, 201):
         cli("train", "--ct", str(ctid), "--run", "long", "--max-steps", "400", *QUICK)
     for ctid in (200, 201):  # past start-up: SIGTERM now means checkpoint and exit 0
-        cli.wait_for(f"a first step on {ctid}", lambda: (json.loads(cli(
+        cli.wait_for(f"a first step on {ctid}", lambda ctid=ctid: (json.loads(cli(
             "status", "--ct", str(ctid), "--run", "long", "--json").stdout)["step"] or 0) >= 1)
     stopped = rows(cli("stop", "--group", "all", "--run", "long", "--grace", "60").stdout)
     assert all(ok and re.fullmatch(r"run long stopped \(SIGTERM, exit code: 0\); no process left", d)
@@ -78,7 +81,8 @@ def test_clean_cache_twice(cli):
     assert all(d.startswith("freed 0 B") for _, d in cleaned.values()), cleaned
 
 
-@pytest.mark.parametrize("task", [["status"], ["doctor"], ["deploy"], ["logs", "-n", "1"], ["stop", "--grace", "0"],
+@pytest.mark.parametrize("task",
+                         [["status"], ["doctor"], ["deploy"], ["logs", "-n", "1"], ["stop", "--grace", "0"],
                                   ["clean-cache"]])
 def test_one_host_down_never_hides_the_other(cli, task):
     pve2 = cli.sandbox.host("pve2")

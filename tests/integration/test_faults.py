@@ -17,14 +17,14 @@ import re
 import shutil
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import yaml
+from ct_template import seed
+from training_runs import CT, REPO, deploy
 
 from dflash_ops import sandbox as sandbox_mod
-from training_runs import CT, REPO, deploy
 
 pytestmark = pytest.mark.integration
 
@@ -113,14 +113,16 @@ print(json.dumps({"seed": seed, "rounds": results, "final": check(True)}), flush
 
 
 @pytest.fixture(scope="module")
-def deployed(sandbox):
-    d = deploy(sandbox)
+def deployed(sandbox, template):
+    d = deploy(sandbox, template)
     (ct_root(d) / "fault_checkpoints.py").write_text(CHECKPOINT_DRIVER)
     yield d
     # Leave what the next module expects: container running, no run, the (tmpfs) model recreated.
-    if "status: stopped" in subprocess.run([str(sandbox.pct), "status", CT], capture_output=True, text=True).stdout:
+    if "status: stopped" in subprocess.run([str(sandbox.pct), "status", CT], capture_output=True,
+                                           text=True).stdout:
         subprocess.run([str(sandbox.pct), "start", CT], check=True)
     d.stop_any()
+    seed(template, sandbox)  # the model again, as the template has it (a deploy would make the same)
     d.invoke("deploy", timeout=600)
 
 
@@ -129,21 +131,26 @@ def ct_root(d) -> Path:
     return Path(d.sandbox.state_dir) / "pve1" / "ct" / CT / "root"
 
 
-def host_pids(program: str, *needles: str) -> list[int]:
-    """Host pids of `program` (argv[0]) whose command line holds every needle (container processes too)."""
+def container_pids(d, program: str, *needles: str) -> list[int]:
+    """Host pids of container 200's processes (its pid namespace) running `program` (argv[0]) whose
+    command line holds every needle; other sandboxes' containers (other sessions, xdist workers) not."""
+    init = json.loads((ct_root(d).parent / "init.json").read_text())["child"]
+    namespace = os.readlink(f"/proc/{init}/ns/pid")
     found = []
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             argv = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace").split("\0")
+            ours = os.readlink(f"/proc/{entry}/ns/pid") == namespace
         except OSError:
             continue
-        if argv[0] == program and all(any(n in a for a in argv) for n in needles):
+        if ours and argv[0] == program and all(any(n in a for a in argv) for n in needles):
             found.append(int(entry))
     return found
 
 
 def checkpoints_in(d, run_dir: str, rounds: int = 0, seed: int = 0) -> dict:
-    """What the driver found: {"final": {entries, good, bad, latest}, "rounds": [...]} (see CHECKPOINT_DRIVER)."""
+    """What the driver found: {"final": {entries, good, bad, latest}, "rounds": [...]}
+    (see CHECKPOINT_DRIVER)."""
     r = d.container("env", "OMP_NUM_THREADS=1", "/root/venv/bin/python", "/root/fault_checkpoints.py",
                     run_dir, str(rounds), str(seed))
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -167,7 +174,17 @@ def mount_tmpfs(d, where: str, size: str, fill_kib: int = 0) -> None:
     """A small tmpfs inside the container's mount namespace, optionally nearly filled."""
     d.container("sh", "-c", f'mkdir -p "$1" && mount -t tmpfs -o size={size} tmpfs "$1"', "sh", where)
     if fill_kib:
-        d.container("sh", "-c", f'dd if=/dev/zero of="$1/fill" bs=1k count={fill_kib} 2>/dev/null; true', "sh", where)
+        d.container("sh", "-c", f'dd if=/dev/zero of="$1/fill" bs=1k count={fill_kib} 2>/dev/null; true',
+                    "sh", where)
+
+
+def shrink_and_fill(d, where: str, size: str, leave_kib: int) -> None:
+    """Shrink a tmpfs that let the launch past the preflight's free-space check, then fill it but
+    `leave_kib`: a disk that fills up after the launch."""
+    d.container("sh", "-c", f'mount -o remount,size={size} tmpfs "$1" && '
+                'avail=$(df -k --output=avail "$1" | tail -n 1) && '
+                f'dd if=/dev/zero of="$1/fill" bs=1k count=$((avail - {leave_kib})) 2>/dev/null; true',
+                "sh", where)
 
 
 def unmount(d, where: str) -> None:
@@ -180,7 +197,8 @@ def test_sigkill_mid_checkpoint_then_train_resumes_losing_at_most_one_interval(d
     deployed.train("killed", "--max-steps", "400")  # a checkpoint every step
     checkpoints = ct_root(deployed) / "runs" / "killed" / "checkpoints"
     deployed.wait_for("a first checkpoint", lambda: (checkpoints / "latest").exists(), timeout=300)
-    [pid] = host_pids("/root/venv/bin/python", "train_dflash.py", "--run-dir=/root/runs/killed")
+    [pid] = container_pids(deployed, "/root/venv/bin/python", "train_dflash.py",
+                           "--run-dir=/root/runs/killed")
     deployed.wait_for("a checkpoint being written",
                       lambda: any(n.startswith(".tmp-step-") for n in os.listdir(checkpoints)), every=0.002)
     os.kill(pid, signal.SIGKILL)
@@ -239,18 +257,22 @@ def test_checkpoint_on_a_full_runs_filesystem_is_a_clear_crash_with_the_last_che
 def test_run_directory_filling_up_mid_run_is_named_and_the_torn_metrics_line_is_cut_on_restart(deployed):
     # Room for the launch and the warm-up, then a few steps: the log, the metrics and the wrapper's
     # exit code all hit the full disk, so no error line can be written anywhere.
-    mount_tmpfs(deployed, "/root/runs/tear", "4m", fill_kib=4020)  # freed later: room for a checkpoint
+    # The preflight refuses a launch with under 1 GiB free (a tmpfs size is a limit, not memory used).
+    mount_tmpfs(deployed, "/root/runs/tear", "1100m")
     try:
         deployed.train("tear", "--max-steps", "1000", "--set", "train.save_every=1000")
+        shrink_and_fill(deployed, "/root/runs/tear", "4m", leave_kib=76)
         st = deployed.wait_for("the run to die of the full disk",
-                               lambda: (s := deployed.status("tear"))["state"] != "running" and s, timeout=300)
+                               lambda: (s := deployed.status("tear"))["state"] != "running" and s,
+                               timeout=300)
         assert st["state"] == "crashed" and st["step"], st
         # From a log line when one got through, else from the free space status reads.
         assert [f["runbook"] for f in st["findings"]] == ["docs/runbooks/disk-full.md"], st
         torn = deployed.run_file("tear", "metrics.jsonl")
         assert not torn.endswith("\n")  # what a full disk leaves
 
-        deployed.container("rm", "/root/runs/tear/fill")
+        deployed.container("rm", "/root/runs/tear/fill")  # and room again for the preflight
+        deployed.container("mount", "-o", "remount,size=1100m", "tmpfs", "/root/runs/tear")
         deployed.train("tear", "--max-steps", "2", "--set", "train.save_every=1000")
         deployed.invoke("logs", "--follow", "--run", "tear", "-n", "0", timeout=300)
         assert deployed.status("tear")["state"] == "finished"
@@ -265,10 +287,14 @@ def test_full_runs_directory_refuses_the_launch_in_one_line_and_doctor_says_why(
     try:
         inventory = variant_inventory(deployed, tmp_path, runs="/root/fullruns")
         r = deployed.invoke("train", "--run", "r1", "--max-steps", "3", inventory=inventory, check=False)
-        assert r.returncode == 5, r
-        assert r.stderr.strip() == (f"error: pve1/{CT}: launch failed (exit 79): dflash: cannot write the run "
-                                    f"directory /root/fullruns/r1 (0 free): disk full? read docs/runbooks/disk-full.md")
+        assert r.returncode == 12, r  # the preflight's free-space check, before anything is created
+        assert r.stderr.strip() == (f"error: pve1/{CT}: preflight disk: 0.00 GiB free for the run "
+                                    "directory /root/fullruns/r1 (/root/fullruns), fewer than the 1.00 GiB "
+                                    "a run needs; "
+                                    "free space there (`invoke prune`, old checkpoints); see "
+                                    "docs/runbooks/disk-full.md; nothing was launched")
         assert not [p for p in deployed.processes() if "train_dflash" in p]
+        assert "r1" not in deployed.container("ls", "-A", "/root/fullruns").stdout.split()
         doctor = deployed.invoke("doctor", inventory=inventory, check=False)
         assert doctor.returncode == 1 and "free runs dir" in doctor.stderr
         assert any("FAIL" in line and "free runs dir" in line for line in doctor.stdout.splitlines())
@@ -351,17 +377,20 @@ def release_whole(d, runs: bool = False) -> str:
     """The release `paths.code` points at, after checking every file against its manifest (and, with
     `runs`, that the training script starts)."""
     check = ("import hashlib, json, os; m = json.load(open('.dflash-manifest.json')); "
-             "print([r for r, h in m['files'].items() if hashlib.sha256(open(r, 'rb').read()).hexdigest() != h])")
+             "print([r for r, h in m['files'].items() if hashlib.sha256(open(r, "
+             "'rb').read()).hexdigest() != h])")
     assert d.container("env", "-C", "/root/dflash", "/usr/bin/python3", "-c", check).stdout.strip() == "[]"
     if runs:
-        assert "--max-steps" in d.container("/root/venv/bin/python", "/root/dflash/train_dflash.py", "--help").stdout
+        assert "--max-steps" in d.container("/root/venv/bin/python", "/root/dflash/train_dflash.py",
+                                            "--help").stdout
     return os.readlink(ct_root(d) / "dflash")
 
 
 @pytest.mark.parametrize("moment", ["sending", "staging"])
 def test_sshd_killed_mid_deploy_keeps_the_previous_release_and_the_next_deploy_completes(
         deployed, other_payload, moment):
-    (other_payload / "remote_scripts" / "ballast" / "moment.txt").write_text(moment)  # a new release each time
+    # a new release each time
+    (other_payload / "remote_scripts" / "ballast" / "moment.txt").write_text(moment)
     subprocess.run(["git", "-C", str(other_payload), "add", "remote_scripts"], check=True)
     before = release_whole(deployed)
     state = sandbox_mod.status(deployed.sandbox.state_dir)

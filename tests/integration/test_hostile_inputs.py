@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from training_runs import CT, REPO, deploy
 
 pytestmark = pytest.mark.integration
@@ -31,8 +30,8 @@ INJECTIONS = [f"$(touch {MARK})", f"`touch {MARK}`", f"x; touch {MARK}", f"' ; t
 
 
 @pytest.fixture(scope="module")
-def deployed(sandbox):
-    d = deploy(sandbox)
+def deployed(sandbox, template):
+    d = deploy(sandbox, template)
     yield d
     d.stop_any()
 
@@ -41,7 +40,8 @@ def deployed(sandbox):
 def nothing_executed(deployed):
     yield
     assert not Path(MARK).exists(), "an injected command ran on the host"
-    assert deployed.container("test", "-e", MARK, check=False).returncode == 1, "an injected command ran in the container"
+    assert deployed.container("test", "-e", MARK, check=False).returncode == 1, (
+        "an injected command ran in the container")
     deployed.stop_any()
 
 
@@ -80,17 +80,22 @@ def started_pid(stdout: str) -> int:
 
 # --- typed by a user ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["../etc", "a/b", f"x;touch {MARK}", f"$(touch {MARK})", "a b", "-rf", ".hidden",
-                                  "a\nb", "r" * 65, "ünï"])
+@pytest.mark.parametrize("name",
+                         ["../etc", "a/b", f"x;touch {MARK}", f"$(touch {MARK})", "a b", "-rf", ".hidden",
+                                  "a\nb", "r" * 65, "ünï"],
+                         # one id on every xdist worker
+                         ids=lambda name: name.replace(MARK, "/tmp/pwned-MARK"))
 def test_hostile_run_names_are_refused_in_one_line_and_create_nothing(deployed, name):
     for task in (["train"], ["logs"], ["status"], ["stop"]):
         r = deployed.invoke(*task, "--run", name, check=False)
         assert "a run name is 1-64 characters" in one_line_error(r, 2)
-    assert deployed.container("ls", "-A", "/root/runs", check=False).stdout.split() in ([], [".lock"], [".current", ".lock"])
+    assert (deployed.container("ls", "-A", "/root/runs", check=False).stdout.split()
+            in ([], [".lock"], [".current", ".lock"]))
 
 
 def test_non_utf8_values_are_refused_in_one_line(deployed):
-    for args in ([b"--run", b"run\xff"], [b"--set", b"data.assistant_header=\xff\xfe"], [b"--config", b"c\xff.yaml"]):
+    for args in ([b"--run", b"run\xff"], [b"--set", b"data.assistant_header=\xff\xfe"],
+                 [b"--config", b"c\xff.yaml"]):
         r = invoke_bytes(deployed, "train", *args)
         assert r.returncode == 2, r
         lines = r.stderr.decode(errors="replace").strip().splitlines()
@@ -102,10 +107,13 @@ def test_dry_run_prints_hostile_set_and_config_values_quoted(deployed):
     config = f"configs/it's $(touch {MARK}).yaml"
     r = deployed.invoke("train", "--run", "dry", "--config", config, *sets, "--dry-run")
     argv = shlex.split(r.stdout)  # one command (a newline in a value spans lines inside its quotes)
-    assert argv[:3] == [str(deployed.sandbox.pct), "exec", CT]
-    assert [a.removeprefix("--set=data.assistant_header=") for a in argv if a.startswith("--set=data.assistant")] \
+    assert argv[:5] == ["env", "LC_ALL=C.UTF-8", str(deployed.sandbox.pct), "exec", CT]
+    assert argv[-2] == "launch"  # the launch verb reads the training argv from its JSON payload
+    train = json.loads(argv[-1])["argv"]
+    assert [a.removeprefix("--set=data.assistant_header=") for a in train
+            if a.startswith("--set=data.assistant")] \
         == INJECTIONS[:-1]
-    assert f"--config=/root/dflash/{config}" in argv
+    assert f"--config=/root/dflash/{config}" in train
 
 
 def test_hostile_set_values_reach_the_training_process_literally(deployed):
@@ -113,14 +121,17 @@ def test_hostile_set_values_reach_the_training_process_literally(deployed):
     as_yaml = [v for v in INJECTIONS if isinstance(_yaml_or_none(v), str)]
     not_yaml = [v for v in INJECTIONS if v not in as_yaml]
     assert len(as_yaml) >= 9 and not_yaml  # both kinds are tried
-    out = deployed.train("literal", "--max-steps", "400", *[a for v in as_yaml for a in ("--set", f"train.run_dir={v}")])
+    out = deployed.train("literal", "--max-steps", "400",
+                         *[a for v in as_yaml for a in ("--set", f"train.run_dir={v}")])
     argv = proc_of(deployed, started_pid(out), "cmdline")  # the training process's own argv
-    assert [a.removeprefix("--set=train.run_dir=") for a in argv if a.startswith("--set=train.run_dir=")] == as_yaml
+    assert [a.removeprefix("--set=train.run_dir=") for a in argv
+            if a.startswith("--set=train.run_dir=")] == as_yaml
     launch = json.loads(deployed.run_file("literal", "launch.json"))
     assert launch["sets"][-len(as_yaml):] == [f"train.run_dir={v}" for v in as_yaml]
     deployed.stop_any()
     # Passed literally too, and refused by the script in its own words (at the first of them).
-    r = deployed.invoke("warmup", *[a for v in not_yaml for a in ("--set", f"train.run_dir={v}")], check=False,
+    r = deployed.invoke("warmup", *[a for v in not_yaml for a in ("--set", f"train.run_dir={v}")],
+                        check=False,
                         timeout=300)
     assert r.returncode == 5 and "--set train.run_dir: value is not valid YAML" in r.stderr, r.stderr
 
@@ -156,7 +167,8 @@ def test_hostile_numbers_are_one_line_errors(deployed):
 
 
 def test_a_value_too_long_for_any_shell_is_refused_in_one_line(deployed):
-    r = deployed.invoke("train", "--run", "long", "--set", "data.assistant_header=" + "L" * 100_000, check=False)
+    r = deployed.invoke("train", "--run", "long", "--set", "data.assistant_header=" + "L" * 100_000,
+                        check=False)
     assert "more than the 131071 a remote shell accepts" in one_line_error(r, 2)
     assert deployed.container("test", "-e", "/root/runs/long", check=False).returncode == 1
 
@@ -197,7 +209,8 @@ def test_secret_values_reach_the_process_and_show_nowhere_else(deployed, tmp_pat
     shown = [dry.stdout, dry.stderr, r.stdout, r.stderr, recorded, deployed.run_file("sec", "launch.json"),
              deployed.invoke("status", "--run", "sec", inventory=inventory).stdout,
              deployed.invoke("logs", "--run", "sec", inventory=inventory).stdout,
-             deployed.invoke("train", "--run", "sec2", inventory=inventory, check=False).stderr]  # refused: busy
+             # refused: busy
+             deployed.invoke("train", "--run", "sec2", inventory=inventory, check=False).stderr]
     for value in secrets.values():
         for part in value.split("\n"):
             assert not any(part in text for text in shown), part

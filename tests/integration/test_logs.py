@@ -5,7 +5,6 @@ import os
 import signal
 
 import pytest
-
 from training_runs import LONG, deployed  # noqa: F401 (deployed: the module's container)
 
 pytestmark = pytest.mark.integration
@@ -72,14 +71,17 @@ def test_follow_keeps_up_when_the_run_is_stopped_and_restarted(deployed, live_ru
 
 def test_follow_keeps_up_across_truncation_and_ends_with_the_run(deployed, live_run):
     p = start_following(deployed, live_run)
-    deployed.container("sh", "-c", f"cp /root/runs/{live_run}/train.log /tmp/rotated && : > /root/runs/{live_run}/train.log")
+    deployed.container("sh", "-c",
+                       f"cp /root/runs/{live_run}/train.log /tmp/rotated && : > "
+                       f"/root/runs/{live_run}/train.log")
     pid = deployed.run_file(live_run, "pid").strip()
     deployed.container("kill", "-KILL", pid)  # the run ends; its wrapper logs that and frees the lock
     out = p.communicate(timeout=120)[0]
     assert p.returncode == 0, out
     after = out[out.index("file truncated"):]
     assert "dflash-ops: training process" in after and " ended: exit " in after
-    assert after.rstrip().splitlines()[-1].startswith(f"==> dflash-ops: run {live_run} is not running (exit code: ")
+    assert after.rstrip().splitlines()[-1].startswith(f"==> dflash-ops: run {live_run} is not running "
+                                                      "(exit code: ")
     assert not follower_processes(deployed)
 
 
@@ -88,8 +90,10 @@ def test_last_lines_and_known_failures_highlighted(deployed, live_run):
     lines = r.stdout.splitlines()
     assert lines[0] == f"==> dflash-ops: run {live_run}" and len(lines) == 3
     # A CUDA out-of-memory line as torch prints it, appended to the finished run's log.
-    oom = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 5 has a total capacity of 139.72 GiB"
-    deployed.container("sh", "-c", 'printf "%s\\n" "$1" >> "$2"', "sh", oom, f"/root/runs/{live_run}/train.log")
+    oom = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 5 has a total "
+           "capacity of 139.72 GiB")
+    deployed.container("sh", "-c", 'printf "%s\\n" "$1" >> "$2"', "sh", oom,
+                       f"/root/runs/{live_run}/train.log")
     r = deployed.invoke("logs", "-n", "3")  # the latest run
     assert oom in r.stdout
     assert ">>> CUDA out of memory: read docs/runbooks/cuda-oom.md" in r.stdout

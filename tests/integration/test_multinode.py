@@ -7,7 +7,7 @@ import socket
 
 import pytest
 import yaml
-
+from ct_template import seed
 from fanout_cli import Cli, rows
 
 pytestmark = pytest.mark.integration
@@ -50,8 +50,10 @@ class Nodes(Cli):
 
 
 @pytest.fixture(scope="module")
-def nodes(sandbox_factory, tmp_path_factory):
+def nodes(sandbox_factory, tmp_path_factory, template):
     sb = sandbox_factory(containers=(200,), hosts=2)
+    for host, ctid in NODES:
+        seed(template, sb, host, ctid)  # the deploy below ships the code; no pip (see ct_template)
     cli = Nodes(sb)
     deployed = rows(cli("deploy", "--group", "all").stdout)
     assert all(ok for ok, _ in deployed.values()) and len(deployed) == 2, deployed
@@ -69,7 +71,8 @@ def test_two_nodes_match_one_node_with_the_same_global_batch(nodes):
     followed = nodes("logs", "--follow", "--group", "pair", "--run", "two", inventory=nodes.two)
     for label in ("pve1/200", "pve2/201"):
         assert f"{label} | ==> dflash-ops: run two is not running (exit code: 0)" in followed.stdout
-    status = json.loads(nodes("status", "--group", "pair", "--run", "two", "--json", inventory=nodes.two).stdout)
+    status = json.loads(nodes("status", "--group", "pair", "--run", "two", "--json",
+                              inventory=nodes.two).stdout)
     assert {k: (v["state"], v["step"]) for k, v in status.items()} == {
         "pve1/200": ("finished", STEPS), "pve2/201": ("finished", STEPS)}, status
 
@@ -82,7 +85,8 @@ def test_two_nodes_match_one_node_with_the_same_global_batch(nodes):
     assert sorted(ranks.values()) == [0, 1]
     # Checkpoints by global rank 0 only.
     for host, ctid in NODES:
-        has = nodes.container(host, ctid, "test", "-f", f"/root/runs/two/checkpoints/step-{STEPS}/model.safetensors")
+        has = nodes.container(host, ctid, "test", "-f",
+                              f"/root/runs/two/checkpoints/step-{STEPS}/model.safetensors")
         assert (has.returncode == 0) == (ranks[ctid] == 0)
     # Every node logs the global step: both metrics files say the same.
     two = [nodes.metrics("two", host, ctid) for host, ctid in NODES]
@@ -94,9 +98,9 @@ def test_two_nodes_match_one_node_with_the_same_global_batch(nodes):
     one = nodes.metrics("one", "pve1", 200)
 
     assert [m["step"] for m in one] == [m["step"] for m in two[0]] == list(range(1, STEPS + 1))
-    rel = [abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(two[0], one)]
+    rel = [abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(two[0], one, strict=True)]
     print("step  one-node loss  two-node loss  relative difference")
-    for a, b, r in zip(two[0], one, rel):
+    for a, b, r in zip(two[0], one, rel, strict=True):
         print(f"{a['step']:>4}  {b['loss']:.8f}  {a['loss']:.8f}  {r:.2e}")
     # Step 1 runs before any update: the same data and init on both sides, so only the order of the
     # float32 sums differs. Later steps add the gradient mean's summation order (one sum of 4 vs
@@ -104,7 +108,8 @@ def test_two_nodes_match_one_node_with_the_same_global_batch(nodes):
     assert rel[0] < 1e-6, rel
     assert max(rel) < 1e-4, rel
     # The per-worker losses line up too: global worker k of two nodes is worker k of one node.
-    assert all(abs(x - y) <= 1e-4 * abs(y) for x, y in zip(two[0][0]["worker_loss"], one[0]["worker_loss"]))
+    assert all(abs(x - y) <= 1e-4 * abs(y)
+               for x, y in zip(two[0][0]["worker_loss"], one[0]["worker_loss"], strict=True))
 
 
 def test_stop_stops_every_node_and_the_group_resumes(nodes):
@@ -112,10 +117,13 @@ def test_stop_stops_every_node_and_the_group_resumes(nodes):
     nodes("train", "--group", "pair", "--run", "long", "--max-steps", "400", *SETS, "--rdzv-port", str(port),
           inventory=nodes.two)
     nodes.wait_for("two steps on both nodes", lambda: all(
-        (v["step"] or 0) >= 2 for v in json.loads(nodes("status", "--group", "pair", "--run", "long", "--json",
+        (v["step"] or 0) >= 2
+        for v in json.loads(nodes("status", "--group", "pair", "--run", "long", "--json",
                                                         inventory=nodes.two).stdout).values()))
-    stopped = rows(nodes("stop", "--group", "pair", "--run", "long", "--grace", "90", inventory=nodes.two).stdout)
-    assert all(ok and d == "run long stopped (SIGTERM, exit code: 0); no process left" for ok, d in stopped.values()), \
+    stopped = rows(nodes("stop", "--group", "pair", "--run", "long", "--grace", "90",
+                         inventory=nodes.two).stdout)
+    assert all(ok and d == "run long stopped (SIGTERM, exit code: 0); no process left"
+               for ok, d in stopped.values()), \
         stopped
     for host, ctid in NODES:
         assert nodes.container(host, ctid, "pgrep", "-f", "train_dflash").stdout == ""

@@ -3,9 +3,12 @@
 import os
 import random
 import shlex
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -65,9 +68,11 @@ def _cmdline(pid):
 
 def test_second_up_changes_nothing(sandbox):
     # Other tests of the session may have restarted this sandbox's sshd: compare with now, not with setup.
-    now = sandbox_mod.up(sandbox.state_dir, containers=(200,), stopped=(201,), inventory_path=sandbox.inventory)
+    now = sandbox_mod.up(sandbox.state_dir, containers=(200,), stopped=(201,),
+                         inventory_path=sandbox.inventory)
     before = Path(sandbox.inventory).read_text()
-    again = sandbox_mod.up(sandbox.state_dir, containers=(200,), stopped=(201,), inventory_path=sandbox.inventory)
+    again = sandbox_mod.up(sandbox.state_dir, containers=(200,), stopped=(201,),
+                           inventory_path=sandbox.inventory)
     assert again.changed == ()
     assert again.host("pve1").sshd_pid == now.host("pve1").sshd_pid
     assert again.port == now.port
@@ -104,23 +109,37 @@ def test_unknown_host_key_is_refused(sandbox, tmp_path):
         paramiko_client(sandbox, known_hosts=empty)
 
 
-def test_exec_runs_in_the_container_with_cleared_env_and_forced_path(sandbox):
+def test_exec_keeps_the_session_env_forces_path_and_starts_in_the_callers_cwd(sandbox):
+    # pve-container 6.x: --keep-env defaults to 1, PVE's CLI forces PATH, lxc-attach adds container=lxc
+    # and keeps the caller's cwd when the container has it (an SSH session starts in root's home).
     client = paramiko_client(sandbox)
     try:
-        _, stdout, stderr = client.exec_command("pct exec 200 -- /usr/bin/env")
-        env = dict(line.split("=", 1) for line in stdout.read().decode().splitlines())
-        assert stdout.channel.recv_exit_status() == 0, stderr.read()
-        _, stdout, _ = client.exec_command("pct exec 200 -- sh -c 'hostname; pwd; cat /proc/1/comm'")
-        where = stdout.read().decode().split()
+        def run(line):
+            _, stdout, stderr = client.exec_command(line)
+            out = stdout.read().decode()
+            assert stdout.channel.recv_exit_status() == 0, stderr.read()
+            return out
+        env = dict(line.split("=", 1)
+                   for line in run("FROM_HOST='a b' pct exec 200 -- /usr/bin/env").splitlines())
+        cleared = run("FROM_HOST=x pct exec 200 --keep-env 0 -- /usr/bin/env").split()
+        where = run("pct exec 200 -- sh -c 'hostname; pwd; cat /proc/1/comm'").split()
+        elsewhere = run("cd /usr/share && pct exec 200 -- pwd; cd /etc/ssh && pct exec 200 -- pwd; "
+                        f"cd {sandbox.state_dir} && pct exec 200 -- pwd").split()
     finally:
         client.close()
-    assert env == {"PATH": "/sbin:/bin:/usr/sbin:/usr/bin", "container": "lxc"}
-    assert where == ["ct200", "/", "bwrap"]  # own hostname, cwd /, own pid namespace (its init is pid 1)
+    assert ((env["FROM_HOST"], env["USER"], env["PATH"], env["container"])
+            == ("a b", "root", "/sbin:/bin:/usr/sbin:/usr/bin", "lxc"))
+    assert "SSH_CONNECTION" in env
+    assert sorted(cleared) == ["PATH=/sbin:/bin:/usr/sbin:/usr/bin", "container=lxc"]
+    # own hostname, root's home, own pid namespace (its init is pid 1)
+    assert where == ["ct200", "/root", "bwrap"]
+    assert elsewhere == ["/usr/share", "/etc/ssh", "/"]  # the state dir is not in the container: /
 
 
 def test_each_container_has_its_own_root_tmp_and_shm(sandbox):
     token = f"iso-{random.randint(0, 10**9)}"
-    script = f"for d in /root /tmp /dev/shm /var/tmp; do echo {token} > $d/{token}; done; df -k /dev/shm | tail -1"
+    script = (f"for d in /root /tmp /dev/shm /var/tmp; do echo {token} > $d/{token}; done; df -k "
+              "/dev/shm | tail -1")
     code, out, err = ssh(sandbox, f"pct exec 200 -- sh -c '{script}'")
     assert code == 0, err
     assert int(out.split()[1]) == 1024 * 1024  # the default 1g /dev/shm of the container config
@@ -131,7 +150,8 @@ def test_each_container_has_its_own_root_tmp_and_shm(sandbox):
 
 
 def test_host_filesystem_is_read_only_and_private_dirs_hidden(sandbox):
-    code, out, _ = ssh(sandbox, "pct exec 200 -- sh -c 'touch /usr/x 2>&1; ls /work 2>&1; test -x /usr/bin/python3 && "
+    code, out, _ = ssh(sandbox,
+                       "pct exec 200 -- sh -c 'touch /usr/x 2>&1; ls /work 2>&1; test -x /usr/bin/python3 && "
                                 "test -d /opt && echo ok'")
     assert "Read-only file system" in out
     assert "No such file or directory" in out
@@ -139,14 +159,24 @@ def test_host_filesystem_is_read_only_and_private_dirs_hidden(sandbox):
 
 
 def test_missing_and_stopped_containers_are_told_apart(sandbox):
+    # A missing config file is a die with errno ENOENT still set: exit 2 (inferred from pct's source).
     code, _, err = ssh(sandbox, "pct exec 999 -- true")
-    assert (code, err.strip()) == (255, MISSING.format(node="pve1", vmid=999))
+    assert (code, err.strip()) == (2, MISSING.format(node="pve1", vmid=999))
     code, _, err = ssh(sandbox, "pct exec 201 -- true")
     assert (code, err.strip()) == (255, "container '201' not running!")
     code, _, err = ssh(sandbox, "pct exec 200")
-    assert (code, err.strip()) == (255, "missing command")
+    assert (code, err.strip()) == (255, "missing command at /usr/share/perl5/PVE/CLI/pct.pm line 246.")
     code, _, err = ssh(sandbox, "pct status 999")
-    assert (code, err.strip()) == (255, MISSING.format(node="pve1", vmid=999))
+    assert (code, err.strip()) == (2, MISSING.format(node="pve1", vmid=999))
+    # push and pull ask whether it runs before they read the config: one message for stopped and missing.
+    for ct in (201, 999):
+        code, _, err = ssh(sandbox, f"pct push {ct} /etc/hostname /root/x")
+        assert (code, err.strip()) == (255, "can only push files to a running CT")
+        code, _, err = ssh(sandbox, f"pct pull {ct} /etc/hostname /tmp/x")
+        assert (code, err.strip()) == (255,
+                                       "can only pull files from a running VM at "
+                                       "/usr/share/perl5/PVE/CLI/pct.pm "
+                                            "line 664.")
 
 
 @pytest.mark.parametrize("script, expected", [
@@ -167,16 +197,102 @@ def test_stdin_stdout_stderr_pass_through(sandbox):
     assert (code, out, err) == (0, data, "to-stderr\n")
 
 
+@pytest.mark.parametrize("session_env, expected", [
+    # No locale (no PAM): C, each non-ASCII byte is U+FFFD.
+    ([], "\ufffd\ufffdn\ufffd\ufffd \ufffd\ufffd\ufffd"),
+    (["-o", "SetEnv=LANG=C"], "\ufffd\ufffdn\ufffd\ufffd \ufffd\ufffd\ufffd"),
+    (["-o", "SetEnv=LANG=C.UTF-8"], "ünï €"),
+    (["-o", "SetEnv=LANG=C LC_CTYPE=C.UTF-8"], "ünï €"),
+    (["-o", "SetEnv=LANG=C.UTF-8 LC_ALL=C"], "\ufffd\ufffdn\ufffd\ufffd \ufffd\ufffd\ufffd"),
+])
+def test_arguments_are_decoded_with_the_session_locale(sandbox, session_env, expected):
+    argv = sandbox.ssh_argv("pct exec 200 -- printf %s 'ünï €'")
+    p = subprocess.run([argv[0], *session_env, *argv[1:]], capture_output=True, timeout=60)
+    assert (p.returncode, p.stdout.decode()) == (0, expected)
+    assert b"perl: warning" not in p.stderr  # every locale here is installed
+
+
+def test_a_session_locale_that_is_not_installed_is_c_with_perls_warning(sandbox):
+    argv = sandbox.ssh_argv("pct exec 200 -- printf %s 'ü'")
+    p = subprocess.run([argv[0], "-o", "SetEnv=LANG=xx_YY.UTF-8", *argv[1:]], capture_output=True, text=True,
+                       timeout=60)
+    assert (p.returncode, p.stdout) == (0, "\ufffd\ufffd")
+    assert p.stderr.startswith("perl: warning: Setting locale failed.\n")
+    assert '\tLANG = "xx_YY.UTF-8"\n' in p.stderr
+
+
 def test_push_and_pull_one_file(sandbox, tmp_path):
     src = tmp_path / "in file"
     src.write_bytes(bytes(range(256)) * 64)
     dst = tmp_path / "back"
     code, out, err = ssh(sandbox, f"pct push 200 '{src}' '/dev/shm/a b' --perms 0600 && "
-                                  f"pct exec 200 -- stat -c %a '/dev/shm/a b' && pct pull 200 '/dev/shm/a b' '{dst}'")
+                                  "pct exec 200 -- stat -c %a '/dev/shm/a b' && pct pull 200 "
+                                  f"'/dev/shm/a b' '{dst}'")
     assert (code, out.strip()) == (0, "600"), err
     assert dst.read_bytes() == src.read_bytes()
-    code, _, err = ssh(sandbox, f"pct push 201 '{src}' /root/x")
-    assert (code, err.strip()) == (255, "container '201' not running!")
+
+
+def test_a_new_file_gets_0666_less_the_umask(sandbox, tmp_path):
+    src = tmp_path / "f"
+    src.write_text("x")
+    code, out, err = ssh(sandbox,
+                         f"umask 022; pct push 200 {src} /tmp/m022 && umask 077 && pct push 200 {src} "
+                         "/tmp/m077 && "
+                                  f"pct pull 200 /tmp/m077 {tmp_path}/back && pct exec 200 -- stat -c %a "
+                                  "/tmp/m022 /tmp/m077")
+    assert (code, out.split(), err) == (0, ["644", "600"], "")
+    assert oct((tmp_path / "back").stat().st_mode & 0o777) == "0o600"
+
+
+def test_failed_push_and_pull_print_why_and_exit_0(sandbox, tmp_path):
+    """pct's worker prints its error and pct exits 0 (pct.pm: fork_worker in the CLI)."""
+    stale = tmp_path / "stale"
+    stale.write_text("the previous content")
+    code, out, err = ssh(sandbox, f"pct push 200 {tmp_path}/nothing /tmp/x; echo $?; "
+                                  f"pct push 200 /etc/hostname /no/such/dir/x; echo $?; "
+                                  f"pct pull 200 /no/such/file {stale}; echo $?")
+    assert (code, out.split()) == (0, ["0", "0", "0"])
+    assert err.splitlines() == [f"failed to open {tmp_path}/nothing for reading",
+                                "failed to create file: /no/such/dir/x: No such file or directory",
+                                "failed to open /no/such/file: No such file or directory"]
+    assert stale.read_bytes() == b""  # pull truncates its destination before it opens the source
+
+
+def test_a_push_onto_a_full_disk_is_short_and_silent(sandbox, tmp_path):
+    big = tmp_path / "big"
+    big.write_bytes(os.urandom(200_000))
+    code, out, err = ssh(sandbox,
+                         "pct exec 200 -- sh -c 'mkdir -p /root/small && mount -t tmpfs -o size=64k tmpfs "
+                         "/root/small' && "
+                                  f"pct push 200 {big} /root/small/big; echo $?; pct exec 200 -- stat -c %s "
+                                  "/root/small/big; pct exec 200 -- umount /root/small")
+    assert (code, out.split(), err) == (0, ["0", "65536"], "")
+
+
+def test_the_kinder_switch_gives_back_the_old_exit_codes(sandbox, tmp_path):
+    code, _, err = ssh(sandbox, f"DFLASH_PCT_KINDER=1 pct push 200 {tmp_path}/nothing /tmp/x")
+    assert (code, err.strip()) == (255, f"failed to open {tmp_path}/nothing for reading")
+    code, _, _ = ssh(sandbox, "DFLASH_PCT_KINDER=1 pct exec 999 -- true")
+    assert code == 255
+    kept = tmp_path / "kept"  # the old pull: atomic, a failure leaves the destination as it was
+    kept.write_text("before")
+    code, _, _ = ssh(sandbox, f"DFLASH_PCT_KINDER=1 pct pull 200 /no/such/file {kept}")
+    assert (code, kept.read_text()) == (255, "before")
+    code, _, err = ssh(sandbox, f"DFLASH_PCT_KINDER=1 pct pull 200 /etc/hostname {kept}")
+    assert (code, kept.read_text()) == (0, "ct200\n"), err
+
+
+def test_pct_refuses_anyone_but_root(sandbox, tmp_path):
+    # nobody cannot read the session's state dir: pct and its host.json go to a world-readable copy.
+    with tempfile.TemporaryDirectory() as tmp:
+        os.chmod(tmp, 0o755)
+        (Path(tmp) / "bin").mkdir()
+        shutil.copy(sandbox.pct, Path(tmp) / "bin" / "pct")
+        shutil.copy(Path(sandbox.pct).parents[1] / "host.json", Path(tmp) / "host.json")
+        as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", f"{tmp}/bin/pct",
+                     "status", "200"]
+        p = subprocess.run(as_nobody, capture_output=True, text=True, cwd=tmp)
+    assert (p.returncode, p.stdout, p.stderr) == (255, "", "please run as root\n")
 
 
 # --- a private sandbox for what changes state: stop, start, down ----------------------------------
@@ -184,6 +300,17 @@ def test_push_and_pull_one_file(sandbox, tmp_path):
 @pytest.fixture(scope="module")
 def private(sandbox_factory):
     return sandbox_factory(containers=(300, 301))
+
+
+def test_list_names_a_container_without_hostname_ct_and_its_id(private):
+    conf = Path(private.state_dir) / "pve1" / "nodes" / "pve1" / "lxc" / "399.conf"
+    conf.write_text("arch: amd64\nostype: debian\n")
+    try:
+        code, out, err = ssh(private, "pct list")
+    finally:
+        conf.unlink()
+    assert code == 0, err
+    assert out.splitlines()[-1] == f"{'399':<10} {'stopped':<10} {'':<12} {'CT399':<20}"
 
 
 def test_containers_do_not_see_each_others_files(private):
@@ -211,8 +338,9 @@ def test_detached_job_survives_the_ssh_session(private):
 def test_stop_kills_every_process_and_start_gives_fresh_tmp(private):
     sleeps = [unique_sleep() for _ in range(2)]
     code, _, err = ssh(private, f"pct exec 300 -- setsid -f {sleeps[0]} </dev/null >/dev/null 2>&1; "
-                                f"pct exec 300 -- setsid -f sh -c '{sleeps[1]}; true' </dev/null >/dev/null 2>&1; "
-                                "pct exec 300 -- sh -c 'echo t > /tmp/t; echo s > /dev/shm/s; echo r > /root/r'")
+                                f"pct exec 300 -- setsid -f sh -c '{sleeps[1]}; true' </dev/null "
+                                ">/dev/null 2>&1; pct exec 300 -- sh -c 'echo t > /tmp/t; echo s > "
+                                "/dev/shm/s; echo r > /root/r'")
     assert code == 0, err
     wait_for(lambda: all(host_pids_running(s) for s in sleeps))
     code, out, err = ssh(private, "pct stop 300 && pct status 300")
@@ -222,7 +350,18 @@ def test_stop_kills_every_process_and_start_gives_fresh_tmp(private):
     assert (code, out.split()) == (0, ["/dev/shm:", "/tmp:", "r"]), err  # both empty
 
 
-def test_ctrl_c_on_a_pty_and_sigterm_to_pct_end_the_command(private):
+def pct_of(sleep):
+    return [int(p) for p in os.listdir("/proc")
+            if p.isdigit() and _cmdline(p).endswith(f"/bin/pct exec 300 -- {sleep}")]
+
+
+def sshd_process_above(pid):
+    while not _cmdline(pid).startswith("sshd:"):
+        pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    return pid
+
+
+def test_ctrl_c_on_a_pty_ends_the_command(private):
     client = paramiko_client(private)
     try:
         sleep = unique_sleep()
@@ -232,16 +371,60 @@ def test_ctrl_c_on_a_pty_and_sigterm_to_pct_end_the_command(private):
         wait_for(lambda: host_pids_running(sleep))
         channel.send(b"\x03")
         assert channel.recv_exit_status() == 128 + 2
-        sleep = unique_sleep()
-        channel = client.get_transport().open_session()
-        channel.exec_command(f"pct exec 300 -- {sleep}")
-        wait_for(lambda: host_pids_running(sleep))
-        pct = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline(p).endswith(f"pct exec 300 -- {sleep}")]
-        os.kill(int(pct[0]), 15)  # as a host-side supervisor would: the container's command goes too
-        assert channel.recv_exit_status() == 128 + 15
-        assert not host_pids_running(sleep)
     finally:
         client.close()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_to_pct_without_a_tty_leaves_the_command_running(private, signum):
+    """lxc-attach dies of SIGTERM/SIGHUP and the command goes on in the container (pct-real.md)."""
+    client = paramiko_client(private)
+    sleep = unique_sleep()
+    try:
+        channel = client.get_transport().open_session()
+        channel.exec_command(f"pct exec 300 -- {sleep}")
+        wait_for(lambda: host_pids_running(sleep) and pct_of(sleep))
+        os.kill(pct_of(sleep)[0], signum)  # as a host-side supervisor would
+        wait_for(lambda: not pct_of(sleep))
+        assert host_pids_running(sleep)
+        assert not channel.exit_status_ready()  # sshd waits for the command, which holds the session's pipes
+        ssh(private, f"pct exec 300 -- pkill -f -x '{sleep}'")
+        assert channel.recv_exit_status() == -1  # and then has no exit status to give: pct's is lost
+    finally:
+        client.close()
+    assert not host_pids_running(sleep)
+
+
+def test_a_signal_to_pct_with_a_tty_hangs_the_command_up(private):
+    client = paramiko_client(private)
+    sleep = unique_sleep()
+    try:
+        channel = client.get_transport().open_session()
+        channel.get_pty()
+        channel.exec_command(f"pct exec 300 -- {sleep}")
+        wait_for(lambda: host_pids_running(sleep) and pct_of(sleep))
+        os.kill(pct_of(sleep)[0], signal.SIGTERM)
+        wait_for(lambda: not host_pids_running(sleep))  # its pty hung up: SIGHUP
+        channel.recv_exit_status()
+    finally:
+        client.close()
+
+
+def test_a_killed_ssh_client_leaves_the_command_running_without_a_tty(private):
+    """sshd closes the session's pipes and signals nobody: a quiet command goes on in the container."""
+    sleep = unique_sleep()
+    client = subprocess.Popen(private.ssh_argv(f"pct exec 300 -- {sleep}"), stdin=subprocess.PIPE)
+    try:
+        wait_for(lambda: host_pids_running(sleep) and pct_of(sleep))
+        session = sshd_process_above(pct_of(sleep)[0])
+        client.kill()
+        client.wait()
+        wait_for(lambda: not os.path.exists(f"/proc/{session}"))  # sshd ended the session
+        code, out, _ = ssh(private, "pct exec 300 -- ps -eo args")
+        assert sleep in out.splitlines()
+    finally:
+        ssh(private, f"pct exec 300 -- pkill -f -x '{sleep}'")
+    assert not host_pids_running(sleep)
 
 
 def test_down_leaves_no_process_behind(private):
@@ -289,12 +472,21 @@ def test_a_session_killed_before_teardown_still_takes_its_sandbox_down(tmp_path)
 
 
 def test_up_refuses_to_run_without_root(tmp_path):
-    as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
-                 f"from dflash_ops import sandbox; sandbox.up({str(tmp_path)!r}, inventory_path=None)"]
-    p = subprocess.run(as_nobody, capture_output=True, text=True, cwd=Path(sandbox_mod.__file__).parents[1])
-    assert p.returncode == 1
+    # nobody may not read the checkout or its .venv (a clone in a 0700 home): it runs the venv's base
+    # interpreter on copies of our package and of PyYAML in a world-readable directory of its own.
+    with tempfile.TemporaryDirectory() as tmp:
+        os.chmod(tmp, 0o755)
+        for package in (Path(sandbox_mod.__file__).parent, Path(yaml.__file__).parent):
+            shutil.copytree(package, Path(tmp, package.name), ignore=shutil.ignore_patterns("__pycache__"))
+        as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                     os.path.realpath(sys.executable),
+                     "-c",
+                     f"from dflash_ops import sandbox; sandbox.up({str(tmp_path)!r}, inventory_path=None)"]
+        p = subprocess.run(as_nobody, capture_output=True, text=True, cwd=tmp)
+    assert p.returncode == 1, p.stderr
     assert p.stderr.strip().splitlines()[-1] == (
-        "dflash_ops.sandbox.SandboxError: the embedded host needs root (sshd, bubblewrap namespaces): run it as root")
+        "dflash_ops.sandbox.SandboxError: the embedded host needs root (sshd, bubblewrap namespaces): "
+        "run it as root")
 
 
 def _environ(pid):
@@ -319,15 +511,16 @@ def test_two_hosts_each_run_their_own_sshd_and_containers(two_hosts):
     assert {n: (h.port, h.node) for n, h in inv.hosts.items()} == {"pve1": (pve1.port, "pve1"),
                                                                    "pve2": (pve2.port, "pve2")}
     assert {i: c.host.name for i, c in inv.containers.items()} == {200: "pve1", 201: "pve2"}
-    again = sandbox_mod.up(two_hosts.state_dir, containers=(200,), hosts=2, inventory_path=two_hosts.inventory)
+    again = sandbox_mod.up(two_hosts.state_dir, containers=(200,), hosts=2,
+                           inventory_path=two_hosts.inventory)
     assert again.changed == ()
 
 
 def test_each_host_knows_only_its_own_containers(two_hosts):
     code, out, err = ssh(two_hosts, "pct exec 201 -- hostname; pct exec 200 -- true", host="pve2")
-    assert (code, out.strip(), err.strip()) == (255, "ct201", MISSING.format(node="pve2", vmid=200))
+    assert (code, out.strip(), err.strip()) == (2, "ct201", MISSING.format(node="pve2", vmid=200))
     code, _, err = ssh(two_hosts, "pct status 201", host="pve1")
-    assert (code, err.strip()) == (255, MISSING.format(node="pve1", vmid=201))
+    assert (code, err.strip()) == (2, MISSING.format(node="pve1", vmid=201))
 
 
 def test_a_host_key_pinned_for_another_port_is_refused(two_hosts, tmp_path):
@@ -344,12 +537,14 @@ def test_containers_on_two_hosts_reach_each_other_on_loopback(two_hosts):
     with socket.socket() as s:  # a free loopback port; the containers share the host's network
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = ("import socket; s = socket.create_server(('127.0.0.1', %d)); c, _ = s.accept(); "
-              "c.sendall(socket.gethostname().encode())" % port)
+    server = (f"import socket; s = socket.create_server(('127.0.0.1', {port})); c, _ = s.accept(); "
+              "c.sendall(socket.gethostname().encode())")
     client = ("import socket, time\nfor _ in range(500):\n    try:\n"
-              "        print(socket.create_connection(('127.0.0.1', %d)).recv(64).decode()); break\n"
-              "    except ConnectionRefusedError:\n        time.sleep(0.02)" % port)
-    code, _, err = ssh(two_hosts, f"pct exec 200 -- setsid -f python3 -c {shlex.quote(server)} </dev/null >/dev/null 2>&1")
+              f"        print(socket.create_connection(('127.0.0.1', {port})).recv(64).decode()); break\n"
+              "    except ConnectionRefusedError:\n        time.sleep(0.02)")
+    code, _, err = ssh(two_hosts,
+                       f"pct exec 200 -- setsid -f python3 -c {shlex.quote(server)} </dev/null "
+                       ">/dev/null 2>&1")
     assert code == 0, err
     code, out, err = ssh(two_hosts, "pct exec 201 -- python3 -", host="pve2", stdin=client)
     assert (code, out.strip()) == (0, "ct200"), err

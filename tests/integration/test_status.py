@@ -1,10 +1,10 @@
 """invoke status against the embedded host: one round trip, stalled, crashed with the signal, the table."""
 
 import pytest
-from invoke import Context
-
-from dflash_ops import cli, status
 from training_runs import LONG, deployed  # noqa: F401 (deployed: the module's container)
+
+from dflash_ops import status, target
+from dflash_ops.errors import ExitStatus
 
 pytestmark = pytest.mark.integration
 
@@ -18,12 +18,13 @@ def test_no_run_yet_and_unknown_run(deployed):
 def test_stalled_then_running_then_killed_by_sigkill_is_crashed_with_the_signal(deployed):
     deployed.train("victim", *LONG)
     pid = deployed.status("victim")["pid"]
-    assert f"/root/venv/bin/python /root/dflash/train_dflash.py" in deployed.container(
+    assert "/root/venv/bin/python /root/dflash/train_dflash.py" in deployed.container(
         "ps", "-o", "args=", "-p", str(pid)).stdout
 
     deployed.container("kill", "-STOP", str(pid))  # alive, but silent: no log line, no metric
     stalled = deployed.wait_for("status to call the silent run stalled",
-                                lambda: (s := deployed.status("victim", "--stall-after", "2"))["state"] == "stalled" and s,
+                                lambda: (s := deployed.status("victim", "--stall-after", "2"))["state"]
+                                == "stalled" and s,
                                 every=2.0)
     assert stalled["idle_s"] > 2 and stalled["pid"] == pid
     assert "no new log line or metric" in stalled["detail"]
@@ -49,7 +50,7 @@ def test_stalled_then_running_then_killed_by_sigkill_is_crashed_with_the_signal(
 
 
 def test_status_is_one_round_trip_on_one_connection(deployed):
-    t = cli.target(Context(), "200", deployed.inventory, False)
+    t = target.resolve_one(deployed.inventory, "200")
     before = (t.session.connections, t.session.round_trips)
     st = status.gather(t, "victim")
     assert st.state == "crashed"
@@ -62,4 +63,27 @@ def test_dry_run_prints_the_one_line_and_connects_to_nothing(deployed, tmp_path)
     broken.write_text(open(deployed.inventory).read().replace(f"port: {deployed.sandbox.port}", "port: 9"))
     r = deployed.invoke("status", "--run", "victim", "--dry-run", inventory=str(broken))
     lines = [line for line in r.stdout.splitlines() if line.startswith(str(deployed.sandbox.pct))]
-    assert len(lines) == 1 and lines[0].startswith(f"{deployed.sandbox.pct} exec 200 -- env -i -- sh -c ")
+    assert len(lines) == 1 and lines[0].startswith(f"{deployed.sandbox.pct} exec 200 -- env -i -- ")
+    assert " status '{" in lines[0]  # container_runs.py's status verb (it was a `sh -c` fact script)
+
+
+def test_a_run_on_answers_not_from_its_target_is_flagged_in_status_and_refused_on_request(deployed):
+    """The shipped answers with the random tiny target: training's teacher-forced acceptance flatters,
+    and `status` says so; with data.require_target_answers the launch is refused by the preflight
+    with one line (train_dflash.py itself exits 2: tests/remote/test_data_runs.py)."""
+    deployed.train("not-its-answers", "--max-steps", "1")
+    deployed.wait_for("the run to finish", lambda: deployed.status("not-its-answers")["state"] == "finished",
+                      timeout=600, every=2)
+    warning = ("acceptance in training metrics is teacher-forced on data not produced by this target "
+               "(train.jsonl: no provenance record, not from `invoke regenerate`)")
+    assert deployed.status("not-its-answers")["data_warnings"] == [warning]
+    table = deployed.invoke("status", "--run", "not-its-answers").stdout
+    assert "teacher-forced acceptance" in table and "data warning" in table
+    assert "acceptance in training metrics is teacher-forced" in table
+
+    refused = deployed.invoke("train", "--run", "refused", "--max-steps", "1",
+                              "--set", "data.require_target_answers=true", check=False)
+    assert refused.returncode == ExitStatus.PREFLIGHT and "Traceback" not in refused.stderr, refused.stderr
+    [line] = refused.stderr.strip().splitlines()
+    assert "teacher-forced on data not produced by this target" in line and "invoke regenerate" in line
+    assert deployed.status("refused")["state"] == "missing"

@@ -10,9 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash_ops import transport
-from dflash_ops.errors import (AuthFailed, ContainerMissing, ContainerStopped, HostKeyChanged, HostKeyUnknown,
-                               HostUnreachable, RemoteCommandFailed)
+from dflash_ops import commands, errors, fetch, transport
 from dflash_ops.inventory import load_inventory
 
 pytestmark = pytest.mark.integration
@@ -65,7 +63,7 @@ def test_exit_codes_and_output_are_kept(inv):
     ct = inv.container(200)
     r = s.exec(ct, ["sh", "-c", "echo out; echo err >&2; exit 7"], check=False)
     assert (r.exited, r.stdout, r.stderr) == (7, "out\n", "err\n")
-    with pytest.raises(RemoteCommandFailed) as err:
+    with pytest.raises(errors.RemoteCommandFailed) as err:
         s.exec(ct, ["sh", "-c", "echo first >&2; echo 'the last line' >&2; exit 3"])
     assert err.value.exited == 3 and "the last line" in str(err.value) and "\n" not in str(err.value)
     s.close()
@@ -88,13 +86,45 @@ def test_missing_and_stopped_containers_are_told_apart(inv, sandbox):
     s = session(inv)
     ct = inv.container(200)
     missing = dataclasses.replace(ct, ctid=999)
-    with pytest.raises(ContainerMissing, match="container 999 does not exist"):
+    with pytest.raises(errors.ContainerMissing, match="container 999 does not exist"):
         s.exec(missing, ["true"])
     stopped = inv.container(201)
-    with pytest.raises(ContainerStopped, match="container 201 .* is stopped"):
+    with pytest.raises(errors.ContainerStopped, match="container 201 .* is stopped"):
         s.exec(stopped, ["true"])
     # A command that itself exits 255 is not mistaken for either.
     assert s.exec(ct, ["sh", "-c", "exit 255"], check=False).exited == 255
+    # Nor one that prints pct's words with an exit code of its own.
+    said = s.exec(ct, ["sh", "-c", "echo \"container '200' not running!\" >&2; exit 1"], check=False)
+    assert (said.exited, said.stderr) == (1, "container '200' not running!\n")
+    s.close()
+
+
+def test_push_and_pull_refusals_name_a_stopped_or_missing_container(inv):
+    """pct push/pull say "can only ... a running CT/VM" for both: `pct status` tells them apart."""
+    s = session(inv)
+    missing = dataclasses.replace(inv.container(200), ctid=999)
+    for ct, error in ((inv.container(201), "container 201 on host pve1 is stopped"),
+                      (missing, "container 999 does not exist on host pve1")):
+        with pytest.raises(errors.ContainerError, match=error):
+            s.run_in(ct,
+                     commands.pct_push_verified(ct.ctid, "/etc/hostname", "/tmp/x", 1, "0" * 64,
+                                                pct=ct.host.pct))
+        pulled = s.run_in(ct,
+                          fetch.pull_line(ct, "/root", "/nonexistent-dflash",
+                                          [fetch.RemoteFile("f", "0" * 64, 1)]), check=False)
+        assert "can only pull files from a running VM" in pulled.stderr
+        with pytest.raises(errors.ContainerError, match=error):
+            fetch.check_refused(s, ct, pulled.stderr)
+    s.close()
+
+
+def test_on_a_pty_a_missing_container_is_still_named(inv):
+    """`logs --follow` and the warm-up run on a pty, where pct's words arrive on stdout and a real
+    missing container exits 2: not "the connection was lost"."""
+    s = session(inv)
+    missing = dataclasses.replace(inv.container(200), ctid=999)
+    with pytest.raises(errors.ContainerMissing, match="container 999 does not exist"):
+        s.exec(missing, ["true"], pty=True, check=False)
     s.close()
 
 
@@ -104,7 +134,7 @@ def test_unreachable_port_fails_fast_with_one_line(sandbox, tmp_path):
         closed_port = probe.getsockname()[1]
     path = variant(sandbox, tmp_path, lambda h: h.update(port=closed_port))
     s = session(load_inventory(path))
-    with pytest.raises(HostUnreachable, match=f"cannot reach .*127.0.0.1:{closed_port}"):
+    with pytest.raises(errors.HostUnreachable, match=f"cannot reach .*127.0.0.1:{closed_port}"):
         s.run("true")
 
 
@@ -117,7 +147,7 @@ def test_silent_host_times_out_within_the_connect_timeout(sandbox, tmp_path):
     threading.Thread(target=lambda: held.append(server.accept()), daemon=True).start()
     path = variant(sandbox, tmp_path, lambda h: h.update(port=server.getsockname()[1]))
     s = session(load_inventory(path), connect_timeout=1.5)
-    with pytest.raises(HostUnreachable):
+    with pytest.raises(errors.HostUnreachable):
         s.run("true")
     server.close()
 
@@ -126,7 +156,7 @@ def test_wrong_key_is_refused(sandbox, tmp_path):
     key = tmp_path / "other_key"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
     path = variant(sandbox, tmp_path, lambda h: h.update(key=str(key)))
-    with pytest.raises(AuthFailed, match="authentication refused"):
+    with pytest.raises(errors.AuthFailed, match="authentication refused"):
         session(load_inventory(path)).run("true")
 
 
@@ -134,7 +164,7 @@ def test_unknown_host_key_is_refused_never_trusted(sandbox, tmp_path):
     empty = tmp_path / "known_hosts"
     empty.write_text("")
     path = variant(sandbox, tmp_path, lambda h: h.update(known_hosts=str(empty)))
-    with pytest.raises(HostKeyUnknown, match="not pinned.*invoke trust-host"):
+    with pytest.raises(errors.HostKeyUnknown, match="not pinned.*invoke trust-host"):
         session(load_inventory(path)).run("true")
     assert empty.read_text() == ""  # nothing was added behind the user's back
 
@@ -148,7 +178,7 @@ def test_changed_host_key_is_refused_then_pinned_deliberately(sandbox, tmp_path)
     known = tmp_path / "known_hosts"
     known.write_text(f"{transport.known_hosts_name(host)} {kind} {blob}\n")
     path = variant(sandbox, tmp_path, lambda h: h.update(known_hosts=str(known)))
-    with pytest.raises(HostKeyChanged, match="CHANGED.*refusing"):
+    with pytest.raises(errors.HostKeyChanged, match="CHANGED.*refusing"):
         session(load_inventory(path)).run("true")
 
     offered = transport.fingerprint(transport.HostSession(host).offered_host_key())
@@ -175,4 +205,50 @@ def test_dry_run_connects_to_nothing(sandbox, tmp_path, capsys):
     r = s.exec(inv.container(200), ["echo", "$(id)"], env={"A": "b c"})
     assert r.exited == 0 and s.connections == 0
     out = capsys.readouterr().out.strip()
-    assert out.endswith("exec 200 -- env -i -- 'A=b c' echo '$(id)'")
+    assert out.endswith("dflash-session env -i -- 'A=b c' echo '$(id)'")
+
+
+# --- pct decodes its arguments with the session's locale ------------------------------------------
+
+UNICODE = ["ünï €", "日本語", "données/é"]
+
+
+def echoes_unicode(s, ct):
+    r = s.exec(ct, ["sh", "-c", 'printf "%s|" "$@" "$U"', "sh", *UNICODE], env={"U": "ünï"}, cwd="/tmp")
+    return r.stdout.split("|")[:-1]
+
+
+def test_non_ascii_values_arrive_intact_when_the_host_locale_is_c(inv):
+    # The embedded host's sessions get no LANG (no PAM): pct's locale is C, which alone would make
+    # every non-ASCII byte a U+FFFD (test_sandbox.py); pct runs under LC_ALL=C.UTF-8 instead.
+    s = session(inv)
+    assert echoes_unicode(s, inv.container(200)) == [*UNICODE, "ünï"]
+    assert s.round_trips == 2  # the first non-ASCII line is preceded by one check of pct's locale
+    assert echoes_unicode(s, inv.container(200)) == [*UNICODE, "ünï"] and s.round_trips == 3
+    s.close()
+
+
+def test_non_ascii_values_arrive_intact_when_the_host_locale_is_utf8(sandbox_factory):
+    utf8 = sandbox_factory(containers=(230,), session_locale="C.UTF-8")
+    inv = load_inventory(utf8.inventory)
+    s = transport.HostSession(inv.container(230).host)
+    assert echoes_unicode(s, inv.container(230)) == [*UNICODE, "ünï"]
+    s.close()
+
+
+def test_a_host_where_the_utf8_locale_cannot_reach_pct_refuses_non_ascii_in_one_line(sandbox, tmp_path):
+    # A pct that never sees LC_ALL (as under a sudo that drops it, or a host without the locale).
+    wrapper = tmp_path / "pct-c-locale"
+    wrapper.write_text(f"#!/bin/sh\nexec env -u LC_ALL {sandbox.pct} \"$@\"\n")
+    wrapper.chmod(0o755)
+    inv = load_inventory(variant(sandbox, tmp_path, lambda h: h.update(pct=str(wrapper))))
+    s = session(inv)
+    ct = inv.container(200)
+    marker = f"/tmp/never-{os.getpid()}"
+    with pytest.raises(errors.UnsafeValue) as err:
+        s.exec(ct, ["touch", marker, "ü"])
+    said = str(err.value)
+    assert "\n" not in said and "did not reach pct" in said and "locales" in said
+    assert s.exec(ct, ["test", "-e", marker], check=False).exited == 1  # nothing ran
+    assert s.exec(ct, ["echo", "ascii"]).stdout == "ascii\n"  # ASCII lines need no check
+    s.close()

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from ct_template import seed
 
 REPO = Path(__file__).resolve().parents[2]
 CT = "200"
@@ -31,7 +32,8 @@ class Deployed:
         return [sys.executable, "-m", "invoke", *args, "--inventory", inventory or self.inventory, "--ct", CT]
 
     def invoke(self, *args, check=True, timeout=120, inventory=None) -> subprocess.CompletedProcess:
-        r = subprocess.run(self.invoke_argv(*args, inventory=inventory), cwd=REPO, capture_output=True, text=True,
+        r = subprocess.run(self.invoke_argv(*args, inventory=inventory), cwd=REPO, capture_output=True,
+                           text=True,
                            timeout=timeout)
         if check:
             assert r.returncode == 0, f"invoke {' '.join(args)}: exit {r.returncode}\n{r.stdout}\n{r.stderr}"
@@ -53,10 +55,18 @@ class Deployed:
             assert r.returncode == 0, r.stderr
         return r
 
+    def sh(self, script: str, *args: str, data: bytes | None = None) -> str:
+        """`sh -c SCRIPT sh ARGS` in the container, stdin `data`: what a process in there could do."""
+        r = subprocess.run([str(self.sandbox.pct), "exec", CT, "--", "sh", "-c", script, "sh", *args],
+                           input=data, capture_output=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.decode()
+
     def processes(self) -> list[str]:
         """Command lines of every process in the container except pid 1's sleep and this ps."""
-        out = self.container("ps", "-eo", "args", "--no-headers").stdout.splitlines()
-        return [p for p in out if not p.startswith(("/usr/bin/bwrap", "/usr/bin/sleep infinity", "ps -eo"))]
+        out = self.container("ps", "-ww", "-eo", "args", "--no-headers").stdout.splitlines()
+        ours = ("/usr/bin/bwrap", "/usr/bin/sleep infinity", "ps -ww -eo")
+        return [p for p in out if not p.startswith(ours)]
 
     def run_file(self, run: str, name: str) -> str:
         return self.container("cat", f"/root/runs/{run}/{name}").stdout
@@ -95,8 +105,10 @@ class Deployed:
             self.invoke("stop", "--run", alive, "--grace", "0", check=False)
 
 
-def deploy(sandbox) -> Deployed:
-    """`invoke deploy` into container 200 (idempotent: the second module's call is one round trip), no runs."""
+def deploy(sandbox, template) -> Deployed:
+    """`invoke deploy` into container 200, seeded from the template (ct_template.seed), so the first
+    call ships the code and each later module's call is one round trip; no runs."""
+    seed(template, sandbox)
     d = Deployed(sandbox)
     d.invoke("deploy", timeout=600)
     d.stop_any()
@@ -105,8 +117,14 @@ def deploy(sandbox) -> Deployed:
 
 
 @pytest.fixture(scope="module")
-def deployed(sandbox):
+def box(sandbox):
+    """Container 200 as it is, not deployed: for tasks that need only the container's system tools."""
+    return Deployed(sandbox)
+
+
+@pytest.fixture(scope="module")
+def deployed(sandbox, template):
     """Container 200 deployed, without runs; any run a test module left alive is stopped at its end."""
-    d = deploy(sandbox)
+    d = deploy(sandbox, template)
     yield d
     d.stop_any()

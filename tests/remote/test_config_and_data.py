@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 import os
 
+import checkpoints
 import pytest
 import yaml
-
-import checkpoints
 from conftest import REMOTE, TINY_CONFIG
 from dflash_data import Sampler, load_examples, read_conversations, tokenize_conversation
 from train_config import ConfigError, load_config
@@ -64,7 +63,7 @@ def test_loss_mask_covers_exactly_the_assistant_turns(tiny_target):
              {"role": "assistant", "content": "red , red ."}]
     ids, mask = tokenize_conversation(tokenizer, turns, "<|im_start|>assistant\n", "<|im_end|>",
                                       max_length=100)
-    masked = tokenizer.convert_ids_to_tokens([i for i, m in zip(ids, mask) if m])
+    masked = tokenizer.convert_ids_to_tokens([i for i, m in zip(ids, mask, strict=True) if m])
     assert masked == ["3", "4", "5", "6", "<|im_end|>", "red", ",", "red", ".", "<|im_end|>"]
 
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import torch
-from transformers import Qwen3Config
-
 import dflash_model as dm
+import torch
 from dflash.model import DFlashDraftModel
+from transformers import Qwen3Config
 
 BLOCK = 4
 

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import warnings
 
+import dflash_model as dm
 import pytest
 import torch
 from transformers import Qwen3Config
-
-import dflash_model as dm
 
 BLOCK = 4
 
@@ -180,5 +179,5 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         mask = dm.dense_dflash_mask(anchors, keep, target_hidden.shape[1], BLOCK)
         drafter(target_hidden, noise, positions, mask).square().mean().backward()
         grads.append([p.grad.clone() for p in drafter.parameters()])
-    for plain, checkpointed in zip(*grads):
+    for plain, checkpointed in zip(*grads, strict=True):
         torch.testing.assert_close(plain, checkpointed)

@@ -1,15 +1,13 @@
-"""remote_scripts/distributed.py with two real gloo processes on 127.0.0.1 (CPU), and its torchrun launcher."""
+"""remote_scripts/distributed.py with two real gloo processes on 127.0.0.1 (CPU), and
+its torchrun launcher."""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
-
-import pytest
 
 from conftest import REMOTE
 from dflash_data import Sampler
@@ -63,7 +61,8 @@ import distributed
 node = distributed.maybe_init_distributed("cpu", 1)
 value = torch.tensor([float(node.rank + 1)])
 dist.all_reduce(value)
-print(json.dumps({"rank": node.rank, "sum": value.item(), "same_group": os.getpgid(0) == os.getpgid(os.getppid()),
+print(json.dumps({"rank": node.rank, "sum": value.item(),
+                  "same_group": os.getpgid(0) == os.getpgid(os.getppid()),
                   "lock_fd": os.path.exists(f"/proc/self/fd/{os.environ['LOCK_FD']}")}), flush=True)
 node.close()
 '''
@@ -114,7 +113,8 @@ def test_two_gloo_nodes_act_as_one_node_with_all_their_workers(tmp_path):
         assert s["tokens"] == 21 and s["stop"] is True
 
     # Only rank 0 wrote step 3; the start-up share gave rank 1 the same files.
-    assert seen[0]["latest"] == seen[1]["latest"] == {"model.safetensors": "weights", "training_state.pt": "state"}
+    assert seen[0]["latest"] == seen[1]["latest"] == {"model.safetensors": "weights",
+                                                      "training_state.pt": "state"}
     assert (tmp_path / "rank1" / "checkpoints" / "latest").read_text() == "step-3\n"
 
 
@@ -151,7 +151,8 @@ def test_launcher_runs_torchrun_with_the_worker_in_our_process_group(tmp_path):
              f"--rdzv-conf=is_host={1 - i}", "--local-addr=127.0.0.1", "--max-restarts=0", str(worker)],
             cwd=REMOTE, env={**os.environ, "PYTHONPATH": REMOTE, "OMP_NUM_THREADS": "1", "LOCK_FD": str(fd)},
             pass_fds=(fd,),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True) for i in (0, 1)]
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                 for i in (0, 1)]
         results = [p.communicate(timeout=180) for p in procs]
     finally:
         lock.close()

@@ -12,12 +12,11 @@ from __future__ import annotations
 import json
 import os
 
-import pytest
-import torch
-
 import dflash_model as dm
 import eval_dflash
+import pytest
 import regenerate_data as rd
+import torch
 from conftest import REMOTE, run_script, tiny_args
 
 pytestmark = pytest.mark.slow  # one real fit + regeneration + training run for the module (minutes)
@@ -141,6 +140,12 @@ def test_acceptance_counting_equals_dflash_own_stats(pipeline, monkeypatch):
         assert counter.calls == 1 + len(stats.acceptance_lengths)
 
 
+def test_step_lengths_when_only_the_prefill_ran():
+    """A prompt answered by the prefill alone (its first token a stop) has no verification step."""
+    assert eval_dflash.step_lengths([0], 7, 1) == []
+    assert eval_dflash.step_lengths([0, 7, 9], 7, 5) == [2, 2]
+
+
 def test_regeneration_writes_the_targets_own_greedy_answers(pipeline):
     stats = pipeline["heldout_stats"]
     assert pipeline["train_stats"]["rows"] == TRAIN_ROWS
@@ -150,7 +155,8 @@ def test_regeneration_writes_the_targets_own_greedy_answers(pipeline):
     original = rd.read_rows(os.path.join(REMOTE, "data", "heldout.jsonl"), HELDOUT_ROWS)
     regenerated = rd.read_rows(pipeline["heldout"])
     assert [r["id"] for r in regenerated] == [r["id"] for r in original]
-    for before, after in list(zip(original, regenerated))[:12]:  # each turn re-decoded: keep it short
+    # each turn re-decoded: keep it short
+    for before, after in list(zip(original, regenerated, strict=True))[:12]:
         turns = after["conversations"]
         assert [t["role"] for t in turns] == [t["role"] for t in before["conversations"]]
         for index, turn in enumerate(turns):

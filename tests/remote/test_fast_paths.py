@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
-
 import dflash_model as dm
 import fast_paths
+import pytest
+import torch
 
 
 def _case(seed, batch=2, blocks=5, bs=4, hidden=24, vocab=97, dtype=torch.float64):

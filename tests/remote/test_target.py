@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from target_model import ShapeOnlyTarget, Target, TargetLoadError, decoder_layers
 
 
@@ -138,6 +137,7 @@ def test_compiled_layers_give_the_reference_features_with_one_graph(tiny_target,
     torch._dynamo.reset()
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     target = Target(tiny_target, ["cpu"], "float32", layer_ids=[0, 2, 3])
+    target.compile_layers()  # training.apply_compile's first region; never implicit
     ids, mask = _padded([14, 9], 14, seed=3)
     got = target.context_features(ids, mask, "cpu")
     got_again = target.context_features(ids, mask, "cpu")
@@ -150,3 +150,45 @@ def test_compiled_layers_give_the_reference_features_with_one_graph(tiny_target,
     assert compile_safety.stats()["by_name"]["target_layer"]["calls"] == 8  # 4 layers x 2 calls
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1
     torch._dynamo.reset()
+
+
+def test_replicas_are_full_copies_on_their_devices_with_the_same_features(tiny_target):
+    ids, mask = _padded([9, 5], 9, seed=4)
+    one = Target(tiny_target, ["cpu"], "float32", layer_ids=[1, 3])
+    replicated = Target(tiny_target, ["cpu", "cpu", "cpu"], "float32", layer_ids=[1, 3],
+                        placement="replicate")
+    assert len(replicated.replicas) == 3 and [replicated.replica_for(w) for w in range(4)] == [0, 1, 2, 0]
+    first, second = (dict(m.named_parameters()) for m in replicated.replicas[:2])
+    for name, tensor in first.items():  # copies, not views of one tensor
+        assert torch.equal(tensor, second[name]) and tensor.data_ptr() != second[name].data_ptr()
+        assert not second[name].requires_grad
+    for replica in range(3):
+        torch.testing.assert_close(replicated.context_features(ids, mask, "cpu", replica),
+                                   one.context_features(ids, mask, "cpu"), rtol=0, atol=0)
+
+
+def test_auto_placement_replicates_only_what_fits_and_says_why():
+    from target_model import choose_placement
+
+    gib = 2**30
+    two = ["cuda:0", "cuda:1"]
+    free = {"cuda:0": 130 * gib, "cuda:1": 130 * gib}
+    placement, why = choose_placement("auto", two, 54 * gib, 1 * gib, free)
+    assert placement == "replicate" and "fits each of the 2 target devices" in why
+    placement, why = choose_placement("auto", two, 54 * gib, 1 * gib, dict(free, **{"cuda:1": 40 * gib}))
+    assert placement == "split" and "cuda:1's free 40.0 GiB" in why
+    # two copies on one device need twice the room
+    assert choose_placement("auto", ["cuda:0", "cuda:0"], 70 * gib, gib, free)[0] == "split"
+    assert choose_placement("auto", ["cuda:0", "cuda:0"], 20 * gib, gib, free)[0] == "replicate"
+    assert choose_placement("auto", ["cpu", "cpu"], 1, 1, {})[0] == "split"
+    assert choose_placement("auto", ["cuda:0"], 1, 1, free)[0] == "split"
+    assert choose_placement("replicate", two, 500 * gib, gib, free) == (
+        "replicate", "target.placement=replicate in the config")
+
+
+def test_weights_are_counted_from_the_safetensors_headers(tiny_target):
+    from target_model import checkpoint_weight_bytes, load_causal_lm
+
+    params = sum(p.numel() for p in load_causal_lm(tiny_target, "float32").parameters())
+    assert checkpoint_weight_bytes(tiny_target, "float32") == 4 * params
+    assert checkpoint_weight_bytes(tiny_target, "bfloat16") == 2 * params

@@ -8,12 +8,11 @@ import subprocess
 import sys
 import time
 
+import checkpoints
 import pytest
 import torch
-from safetensors.torch import load_file
-
-import checkpoints
 from conftest import REMOTE, read_metrics, run_script, tiny_args
+from safetensors.torch import load_file
 
 # Short runs: small batches, every step logged, no mid-run saves or evals.
 QUICK = ("train.batch_size=4", "train.log_every=1", "train.eval_every=1000",
@@ -161,3 +160,29 @@ def test_bad_paths_and_configs_exit_nonzero_with_one_line(tiny_target, tmp_path)
                                                              "model.attention=flex"))
     assert flex_on_cpu.returncode == 1
     assert "no flex_attention backward on CPU" in flex_on_cpu.stderr.strip().splitlines()[-1]
+
+
+def test_replicated_and_split_targets_train_the_same_run(tiny_target, tmp_path):
+    """target.placement=replicate (a full copy per target device, the workers' batches made on
+    the copies at once, prefetch on) and split (the layers in chunks over the same devices) give
+    the same losses, weights and sampler state: placement moves the target, never the run."""
+    runs = {}
+    for placement in ("split", "replicate"):
+        runs[placement] = str(tmp_path / placement)
+        result = run_script("train_dflash.py", *tiny_args(
+            tiny_target, runs[placement], *QUICK, f"target.placement={placement}",
+            "train.save_every=2", "train.keep_last=3"), "--target-devices", "cpu,cpu",
+            "--drafter-devices", "cpu,cpu,cpu", "--max-steps", "4")
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert f"target: placement {placement} over cpu,cpu" in result.stdout
+    assert "target: 2 replica(s) loaded" in open(os.path.join(runs["replicate"], "train.log")).read()
+    losses = {p: [(r["step"], r["worker_loss"]) for r in read_metrics(run, "train")]
+              for p, run in runs.items()}
+    assert [step for step, _ in losses["split"]] == [1, 2, 3, 4]
+    assert losses["split"] == losses["replicate"]
+    for step in (2, 4):
+        split, replicated = (checkpoint_state(os.path.join(checkpoints.checkpoint_root(runs[p]),
+                                                           f"step-{step}"))
+                             for p in ("split", "replicate"))
+        assert split[1]["sampler"] == replicated[1]["sampler"]
+        assert all(torch.equal(split[0][k], replicated[0][k]) for k in split[0])

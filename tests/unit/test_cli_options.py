@@ -24,6 +24,8 @@ HOSTILE = ["$(touch {m}/dollar)", "`touch {m}/backtick`", "x; touch {m}/semicolo
            '"$(touch {m}/dquote)"', "a\ntouch {m}/newline", "| touch {m}/pipe", "*", "$HOME", "-x",
            "ünïcødé", "\\", "L" * 5000]
 
+PCT = "env LC_ALL=C.UTF-8 pct"  # how every host line starts pct (commands.pct_argv)
+
 
 def write_inventory(path: Path, root: Path, pct: str = "pct", default=201) -> Path:
     """Two containers on one loopback host whose port nothing listens on: a connection would fail."""
@@ -56,25 +58,26 @@ def inventory(tmp_path):
 
 def test_one_ct_for_every_task_of_the_invocation(inventory):
     r = invoke("warmup", "train", "--run", "r1", "--ct", "200", "--dry-run", inventory=inventory)
-    lines = [line for line in r.stdout.splitlines() if line.startswith(("pct ", "'pct' "))]
+    lines = [line for line in r.stdout.splitlines() if line.startswith(PCT)]
     assert len(lines) == 2, r.stdout
-    assert all(line.startswith("pct exec 200 -- ") for line in lines)
+    assert all(line.startswith(f"{PCT} exec 200 -- ") for line in lines)
     assert "warmup_compile.py" in r.stdout and "train_dflash.py" in r.stdout
     assert "/201/" not in r.stdout  # the default container (201) was not used by either task
 
 
 def test_warmup_runs_with_exactly_the_training_environment_config_and_devices(inventory):
     same = ["--set", "train.lr=1e-4", "--set", "a.b=x y", "--config", "configs/other.yaml"]
-    r = invoke("warmup", *same, "train", "--run", "r1", *same, "--ct", "200", "--dry-run", inventory=inventory)
-    warm_line, train_line = [line for line in r.stdout.split("\npct exec") if line.strip()][:2]
-    warm, train = shlex.split("pct exec" + warm_line.removeprefix("pct exec")), shlex.split("pct exec" + train_line)
+    r = invoke("warmup", *same, "train", "--run", "r1", *same, "--ct", "200", "--dry-run",
+               inventory=inventory)
+    warm_line, train_line = [line for line in r.stdout.split(f"\n{PCT} exec") if line.strip()][:2]
+    warm, train = (shlex.split(f"{PCT} exec" + warm_line.removeprefix(f"{PCT} exec")),
+                   shlex.split(f"{PCT} exec" + train_line))
 
-    def env_of(argv):
-        return argv[argv.index("-i"):argv.index("sh")]
+    def env_of(argv):  # env -i ... up to container_runs.py's interpreter
+        return argv[argv.index("-i"):argv.index("-c", argv.index("-i")) - 1]
 
-    def payload_of(argv):  # the python's argv: after the script's positional values
-        start = max(i for i, a in enumerate(argv) if a.endswith("/venv/bin/python"))
-        return [a for a in argv[start:] if not a.startswith(("--run-dir=", "--max-steps="))]
+    def payload_of(argv):  # the python's argv: in the verb's JSON argument
+        return [a for a in json.loads(argv[-1])["argv"] if not a.startswith(("--run-dir=", "--max-steps="))]
 
     assert env_of(warm) == env_of(train)
     assert "TORCHINDUCTOR_CACHE_DIR=/root/.cache/dflash/inductor" in env_of(warm)
@@ -82,12 +85,14 @@ def test_warmup_runs_with_exactly_the_training_environment_config_and_devices(in
     assert w[1].endswith("/warmup_compile.py") and t[1].endswith("/train_dflash.py")
     assert w[2:] == t[2:]
     assert f"--config={inventory.parent}/200/code/configs/other.yaml" in w
-    assert w[-4:] == ["--set=train.lr=1e-4", "--set=a.b=x y", "--target-devices=cpu", "--drafter-devices=cpu,cpu"]
+    assert w[-4:] == ["--set=train.lr=1e-4", "--set=a.b=x y", "--target-devices=cpu",
+                      "--drafter-devices=cpu,cpu"]
 
 
 def test_ct_given_to_the_first_task_applies_to_the_later_ones(inventory):
-    r = invoke("status", "--ct", "200", "stop", "--run", "r1", "logs", "--follow", "--dry-run", inventory=inventory)
-    assert r.stdout.count("pct exec 200 -- ") == 3 and "pct exec 201" not in r.stdout
+    r = invoke("status", "--ct", "200", "stop", "--run", "r1", "logs", "--follow", "--dry-run",
+               inventory=inventory)
+    assert r.stdout.count(f"{PCT} exec 200 -- ") == 3 and "pct exec 201" not in r.stdout
 
 
 def test_secrets_are_masked_in_the_dry_run_and_the_recorded_environment(tmp_path):
@@ -103,7 +108,8 @@ def test_secrets_are_masked_in_the_dry_run_and_the_recorded_environment(tmp_path
 
     ct = load_inventory(str(inventory)).container(200)
     argv, _ = jobs.launch_argv(ct, "r1")
-    launch_json, env_text = argv[9], argv[10]  # sh -c SCRIPT sh runs name config manifest settle launch env
+    payload = json.loads(argv[-1])  # python -c LOADER SCRIPT launch PAYLOAD
+    launch_json, env_text = payload["launch"], payload["env"]
     assert json.loads(launch_json)["run"] == "r1"
     assert "hf_s3cr3t_value" not in launch_json + env_text
     assert "HF_TOKEN=***" in env_text.splitlines() and "WANDB_MODE=offline" in env_text.splitlines()
@@ -119,7 +125,8 @@ def test_two_different_ct_values_are_an_error(inventory):
     assert "pct exec" not in r.stdout  # refused before anything is printed or run
 
 
-@pytest.mark.parametrize("name", ["../x", "a;b", "$(id)", "a\nb", "x" * 65, ".hidden", "-rf", "a b", "", "a/b"])
+@pytest.mark.parametrize("name",
+                         ["../x", "a;b", "$(id)", "a\nb", "x" * 65, ".hidden", "-rf", "a b", "", "a/b"])
 def test_hostile_run_names_are_refused(name):
     with pytest.raises(UsageError, match="a run name is 1-64 characters"):
         jobs.validate_run_name(name)
@@ -143,7 +150,8 @@ def test_malformed_set_is_refused(value, inventory):
 
 
 def test_every_task_documents_itself_and_each_flag():
-    for task, flags in {"warmup": ["--config", "--set"], "train": ["--run", "--config", "--set", "--max-steps"],
+    for task, flags in {"warmup": ["--config", "--set"],
+                        "train": ["--run", "--config", "--set", "--max-steps"],
                         "logs": ["--run", "-n", "--follow"], "status": ["--run", "--json", "--stall-after"],
                         "stop": ["--run", "--grace"]}.items():
         r = subprocess.run([*INVOKE, "--help", task], cwd=REPO, capture_output=True, text=True, timeout=60)
@@ -171,23 +179,33 @@ def test_hostile_set_values_arrive_literally_and_execute_nothing(tmp_path):
     # The training process stand-in records its argv and stays alive past the launch's check.
     (venv / "bin" / "python").write_text(
         f"#!{sys.executable}\nimport json, sys, time\n"
+        f"if sys.argv[1].endswith('/preflight.py'): print(json.dumps({{'ok': True}})); sys.exit(0)\n"
         f"json.dump(sys.argv[1:], open({str(argv_file)!r}, 'w'))\ntime.sleep(4)\n")
+    (code / "preflight.py").write_text("")
     (venv / "bin" / "python").chmod(0o755)
     values = [v.format(m=markers) for v in HOSTILE]
     sets = [arg for v in values for arg in ("--set", f"data.assistant_header={v}")]
     r = invoke("train", "--run", "hostile", *sets, "--max-steps", "3", "--dry-run", inventory=inventory)
     line = r.stdout
-    assert line.startswith(f"{pct} exec 200 -- env -i -C {code} -- ")
-    run = subprocess.run(["bash", "-c", line], capture_output=True, text=True, timeout=60)
+    assert line.startswith(f"{PCT[:-3]}{pct} exec 200 -- sh -c ")
+    assert f" dflash-session env -i -C {code} -- " in line
+    # The container side ends with its session's stdin (commands.SESSION_SCRIPT): keep it open.
+    session_stdin, keep_open = os.pipe()
+    run = subprocess.run(["bash", "-c", line], capture_output=True, text=True, timeout=60,
+                         stdin=session_stdin)
+    os.close(session_stdin)
+    os.close(keep_open)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.startswith("started "), run.stdout
+    assert json.loads(run.stdout)["outcome"] == "started", run.stdout  # the launch verb's JSON answer
     argv = json.loads(argv_file.read_text())
-    got = [a.removeprefix("--set=data.assistant_header=") for a in argv if a.startswith("--set=data.assistant")]
+    got = [a.removeprefix("--set=data.assistant_header=") for a in argv
+           if a.startswith("--set=data.assistant")]
     assert got == values
     assert argv[-1] == "--max-steps=3" and f"--run-dir={tmp_path}/200/runs/hostile" in argv
     assert list(markers.iterdir()) == []
     run_dir = tmp_path / "200" / "runs" / "hostile"
-    assert json.loads((run_dir / "launch.json").read_text())["sets"] == [f"data.assistant_header={v}" for v in values]
+    assert (json.loads((run_dir / "launch.json").read_text())["sets"]
+            == [f"data.assistant_header={v}" for v in values])
     pgid = int((run_dir / "pgid").read_text())
     os.killpg(pgid, signal.SIGTERM)
     for _ in range(100):  # the wrapper records how its process ended
@@ -195,3 +213,44 @@ def test_hostile_set_values_arrive_literally_and_execute_nothing(tmp_path):
             break
         time.sleep(0.1)
     assert (run_dir / "exit_code").read_text().strip() in ("signal 15", "0")
+
+
+def _task_flags() -> dict:
+    """{task name: {long flag: its short letters}} as Invoke builds them from tasks.py."""
+    from invoke import Collection
+
+    import tasks
+
+    ns = Collection.from_module(tasks)
+    return {name: {a.names[0]: [n for n in a.names[1:] if len(n) == 1] for a in ns[name].get_arguments()}
+            for name in ns.task_names}
+
+
+def test_no_task_option_takes_h_and_a_flag_has_one_letter_in_every_task():
+    letters: dict = {}
+    for task, flags in _task_flags().items():
+        for flag, short in flags.items():
+            assert short != ["h"], f"{task} --{flag} takes -h, which must show the task's help"
+            letters.setdefault(flag, {})[task] = tuple(short)
+    mixed = {flag: per for flag, per in letters.items() if len(set(per.values())) > 1}
+    assert mixed == {}
+    assert ({letters[f]["fetch"] for f in ("ct", "inventory", "dry-run", "run")}
+            == {("c",), ("i",), ("d",), ("r",)})
+
+
+@pytest.mark.parametrize("task", ["deploy", "status", "trust-host", "fetch", "eval", "watch", "sandbox.up"])
+def test_dash_h_after_a_task_shows_its_help_and_does_nothing_else(task):
+    """`invoke deploy -h` once deployed (-h was --check); `fetch -h` took -h as the run name. The
+    default inventory's hosts are `.example` names: a task that ran would fail to connect."""
+    r = subprocess.run([*INVOKE, task, "-h"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"Usage: inv[oke] [--core-opts] {task} [--options]"), r.stdout
+    assert r.stderr == ""
+
+
+def test_a_missing_required_flag_is_one_line_and_exit_2(inventory):
+    for args, message in ((["fetch"], "error: --run, --to required"),
+                          (["fetch", "--run", "r1"], "error: --to required"),
+                          (["eval"], "error: --run required"), (["trust-host"], "error: --host required")):
+        r = invoke(*args, inventory=inventory, check=False)
+        assert (r.returncode, r.stderr.strip(), r.stdout) == (2, message, ""), args

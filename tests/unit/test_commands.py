@@ -1,7 +1,11 @@
 """Exact host command lines for hostile argv/env/cwd values, and their round trip through a real shell."""
 
+import os
 import shlex
+import signal
 import subprocess
+import time
+import uuid
 
 import pytest
 from hypothesis import given, settings
@@ -10,37 +14,48 @@ from hypothesis import strategies as st
 from dflash_ops import commands
 from dflash_ops.errors import UnsafeValue
 
-# (argv, env, cwd) -> the exact line the host's shell receives.
+PCT = "env LC_ALL=C.UTF-8 pct"  # pct under an explicit UTF-8 locale: it decodes its arguments with it
+TIED = " -- sh -c " + shlex.quote(commands.SESSION_SCRIPT) + " dflash-session"  # ends with the SSH session
+
+# (argv, env, cwd) -> the exact line the host's shell receives: PCT + " exec 200" + TIED + the rest.
 CASES = [
     (["true"], None, None,
-     "pct exec 200 -- env -i -- true"),
+     " env -i -- true"),
     (["python3", "-c", "print(1)"], {"A": "x y"}, "/root/my dir",
-     "pct exec 200 -- env -i -C '/root/my dir' -- 'A=x y' python3 -c 'print(1)'"),
+     " env -i -C '/root/my dir' -- 'A=x y' python3 -c 'print(1)'"),
     (["echo", "it's"], {"Q": 'say "hi"'}, None,
-     "pct exec 200 -- env -i -- 'Q=say \"hi\"' echo 'it'\"'\"'s'"),
+     " env -i -- 'Q=say \"hi\"' echo 'it'\"'\"'s'"),
     (["echo", "$(id)", "`id`"], {"S": "$(reboot)"}, None,
-     "pct exec 200 -- env -i -- 'S=$(reboot)' echo '$(id)' '`id`'"),
+     " env -i -- 'S=$(reboot)' echo '$(id)' '`id`'"),
     (["echo", "a;b", "c&&d", "e|f"], None, "/tmp/x;rm -rf /",
-     "pct exec 200 -- env -i -C '/tmp/x;rm -rf /' -- echo 'a;b' 'c&&d' 'e|f'"),
+     " env -i -C '/tmp/x;rm -rf /' -- echo 'a;b' 'c&&d' 'e|f'"),
     (["printf", "%s", "line1\nline2"], {"N": "a\nb"}, None,
-     "pct exec 200 -- env -i -- 'N=a\nb' printf %s 'line1\nline2'"),
+     " env -i -- 'N=a\nb' printf %s 'line1\nline2'"),
     (["echo", "héllo wörld", "日本"], {"U": "ünï"}, "/root/données",
-     "pct exec 200 -- env -i -C '/root/données' -- 'U=ünï' echo 'héllo wörld' '日本'"),
+     " env -i -C '/root/données' -- 'U=ünï' echo 'héllo wörld' '日本'"),
     (["echo", "", "-n", "--"], {"EMPTY": ""}, None,
-     "pct exec 200 -- env -i -- EMPTY= echo '' -n --"),
+     " env -i -- EMPTY= echo '' -n --"),
     (["echo", "*", "~", "{a,b}", "!x"], None, None,
-     "pct exec 200 -- env -i -- echo '*' '~' '{a,b}' '!x'"),
+     " env -i -- echo '*' '~' '{a,b}' '!x'"),
 ]
 
 
 @pytest.mark.parametrize("argv,env,cwd,expected", CASES)
 def test_exact_pct_exec_lines(argv, env, cwd, expected):
-    assert commands.pct_exec(200, argv, env=env, cwd=cwd) == expected
+    assert commands.pct_exec(200, argv, env=env, cwd=cwd) == PCT + " exec 200" + TIED + expected
 
 
 def test_pct_path_is_quoted_too():
     line = commands.pct_exec(201, ["true"], pct="/opt/my pct/pct")
-    assert line == "'/opt/my pct/pct' exec 201 -- env -i -- true"
+    assert line == "env LC_ALL=C.UTF-8 '/opt/my pct/pct' exec 201" + TIED + " env -i -- true"
+
+
+def test_become_sudo_runs_pct_through_sudo_without_a_prompt():
+    line = commands.pct_transfer("push", 200, "/tmp/a", "/root/a",
+                                 pct=commands.pct_argv("/usr/sbin/pct", "sudo"))
+    assert line == "env LC_ALL=C.UTF-8 sudo -n /usr/sbin/pct push 200 /tmp/a /root/a"
+    with pytest.raises(UnsafeValue):
+        commands.pct_argv("pct", "su")
 
 
 @pytest.mark.parametrize("bad", ["a\x00b", "bad\udcff"])
@@ -91,9 +106,90 @@ HOSTILE = st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist
 def test_a_real_shell_reads_back_exactly_what_was_built(args, value, cwd):
     """Property: the host's shell parses the line back into pct's argv, value for value."""
     line = commands.pct_exec(200, ["prog", *args], env={"V": value}, cwd="/" + cwd)
-    # Replace `pct` by a program that prints its argv NUL-separated; run the line in real bash.
-    out = subprocess.run(["bash", "-c", "pct() { printf '%s\\0' \"$@\"; }; " + line],
+    # Replace `env LC_ALL=C.UTF-8 pct` by a program that prints its argv NUL-separated; run the
+    # line in real bash.
+    fake = "env() { shift; \"$@\"; }; pct() { printf '%s\\0' \"$@\"; }; "
+    out = subprocess.run(["bash", "-c", fake + line],
                          capture_output=True, check=True).stdout
     got = out.decode("utf-8").split("\x00")[:-1]
-    assert got == ["exec", "200", "--", "env", "-i", "-C", "/" + cwd, "--", f"V={value}", "prog", *args]
-    assert shlex.split(line)[0] == "pct"
+    assert got == ["exec", "200", "--", "sh", "-c", commands.SESSION_SCRIPT, "dflash-session",
+                   "env", "-i", "-C", "/" + cwd, "--", f"V={value}", "prog", *args]
+    assert shlex.split(line)[:3] == ["env", "LC_ALL=C.UTF-8", "pct"]
+
+
+# --- SESSION_SCRIPT through the real /bin/sh: the command ends with the session's stdin -------------
+
+def tied(script: str, stdin=subprocess.PIPE, env: dict | None = None) -> subprocess.Popen:
+    # SIGINT's default disposition even under a runner started without job control (ignored on
+    # entry, a shell could not trap it).
+    return subprocess.Popen(["sh", "-c", commands.SESSION_SCRIPT, "dflash-session", "sh", "-c", script],
+                            stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def watchers_marked(mark: str) -> list[int]:
+    """Pids of dflash-watch processes whose environment holds DFLASH_TEST_MARK=mark: the watchers
+    of this test's own command, not those of other tests or sessions on the machine."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+        except OSError:  # gone meanwhile, or not ours
+            continue
+        if b"dflash-watch" in argv and f"DFLASH_TEST_MARK={mark}".encode() in environ:
+            found.append(int(pid))
+    return found
+
+
+def alive_with(marker: str) -> list[str]:
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout.splitlines()
+    return [p for p in ps if marker in p and "dflash-session" not in p]
+
+
+def until(predicate, what: str):
+    for _ in range(2000):  # a bound on a hang (20 s), not a timing check
+        if predicate():
+            return
+        time.sleep(0.01)
+    raise AssertionError(what)
+
+
+def test_session_tied_passes_output_and_exit_code_through():
+    p = tied("echo out; echo err >&2; exit 3")
+    out, err = p.stdout.read(), p.stderr.read()  # stdin stays open: closing it would end the command
+    assert (p.wait(timeout=60), out, err) == (3, "out\n", "err\n")
+    p.stdin.close()
+
+
+def test_session_end_kills_the_command_and_everything_it_started_but_a_detached_job():
+    mark = f"{uuid.uuid4().int % 10**7 + 10**7}"
+    p = tied(f"setsid -f sleep {mark}1 </dev/null >/dev/null 2>&1; "
+             f"sleep {mark}2 & echo started; sleep {mark}3")
+    assert p.stdout.readline() == "started\n"
+    until(lambda: alive_with(f"sleep {mark}2") and alive_with(f"sleep {mark}3"), "the command never started")
+    p.stdin.close()  # what sshd does when the SSH client goes away
+    assert p.wait(timeout=60) == 128 + signal.SIGTERM
+    until(lambda: not alive_with(mark)[1:], "something of the command outlived its session")
+    assert [p.split()[-1] for p in alive_with(mark)] == [f"{mark}1"]  # the detached job (setsid -f) stays
+    subprocess.run(["pkill", "-x", "-f", f"sleep {mark}1"])
+
+
+def test_a_quick_command_leaves_no_watcher_behind():
+    mark = uuid.uuid4().hex
+    p = tied("exit 0", env={**os.environ, "DFLASH_TEST_MARK": mark})
+    assert p.wait(timeout=60) == 0
+    p.stdin.close()
+    assert not watchers_marked(mark)
+
+
+def test_ctrl_c_and_a_hang_up_end_the_command():
+    # Ctrl-C through a pty (SIGINT) ends it with SIGTERM and reads as 130, interrupted.
+    for signum, code in ((signal.SIGINT, 130), (signal.SIGHUP, 3)):
+        p = tied("trap 'exit 3' TERM; echo ready; while :; do sleep 0.1; done")
+        assert p.stdout.readline() == "ready\n"
+        p.send_signal(signum)
+        assert p.wait(timeout=60) == code
+        p.stdin.close()

@@ -5,6 +5,7 @@ python; here they run as imported modules and through the same `python -c LOADER
 """
 
 import fcntl
+import hashlib
 import io
 import json
 import os
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_ops import caches, container_facts, container_release, deploy, facts
+from dflash_ops import caches, commands, container_facts, container_release, container_runs, deploy, facts
 from dflash_ops.errors import RunStateError
 from dflash_ops.inventory import parse_inventory
 
@@ -79,7 +80,8 @@ def remote(files, link=True, tree=None):
     (remote({**LOCAL, "b.py": "f" * 64}), ["b.py"], [], False),                    # one file edited
     (remote({**LOCAL, "old.py": "d" * 64}), [], ["old.py"], False),                # one file removed locally
     (remote({k: v for k, v in LOCAL.items() if k != "a.py"}), ["a.py"], [], False),  # one file added
-    (remote(LOCAL, link=False), [], [], False),                                    # a plain dir: not deploy's layout
+    # a plain dir: not deploy's layout
+    (remote(LOCAL, link=False), [], [], False),
     (remote(LOCAL, tree="0" * 64), [], [], False),                                 # manifest of another tree
 ])
 def test_plan(code_fact, changed, deleted, up_to_date):
@@ -106,32 +108,41 @@ def test_pack_holds_only_the_changed_files_and_the_manifest(tmp_path):
 
 # --- host lines ---------------------------------------------------------------------------------
 
-def test_stage_line_pushes_stages_and_always_removes_the_host_copy(ct):
+def test_stage_line_pushes_checks_the_push_stages_and_always_removes_the_host_copy(ct):
     plan = deploy.make_plan(LOCAL, None)
-    line = deploy.stage_line(ct, "/tmp/dflash-deploy-200-abc.tar.gz", plan)
-    push, _, rest = line.partition(" && ")
-    assert push == "/usr/sbin/pct push 200 /tmp/dflash-deploy-200-abc.tar.gz /tmp/dflash-deploy-200-abc.tar.gz"
-    assert rest.startswith("/usr/sbin/pct exec 200 -- env -i -- ")
-    assert rest.endswith("; rc=$?; rm -f -- /tmp/dflash-deploy-200-abc.tar.gz; exit $rc")
+    line = deploy.stage_line(ct, "/tmp/dflash-deploy-200-abc.tar.gz", plan, b"tar bytes")
+    words = shlex.split(line)
+    push, check, stage = words[:7], words[8:words.index("&&", 8)], words[words.index("&&", 8) + 1:]
+    assert push == ["env", "LC_ALL=C.UTF-8", "/usr/sbin/pct", "push", "200",
+                    "/tmp/dflash-deploy-200-abc.tar.gz", "/tmp/dflash-deploy-200-abc.tar.gz.dflash-part"]
+    assert words[7] == "&&"
+    assert check[:6] == ["env", "LC_ALL=C.UTF-8", "/usr/sbin/pct", "exec", "200", "--"] and check[-6:] == [
+        commands.PUSH_CHECK, "sh", "/tmp/dflash-deploy-200-abc.tar.gz",
+        "/tmp/dflash-deploy-200-abc.tar.gz.dflash-part",
+        "9", hashlib.sha256(b"tar bytes").hexdigest()]
+    assert stage[:12] == ["env", "LC_ALL=C.UTF-8", "/usr/sbin/pct", "exec", "200", "--",
+                          *commands.session_tied(["env", "-i"])]
+    assert line.endswith("; rc=$?; rm -f -- /tmp/dflash-deploy-200-abc.tar.gz; exit $rc")
     assert "\n" not in line  # dry-run prints one line per host line
     assert "'/root/my code.releases'" not in line and '"releases": "/root/my code.releases"' in line
 
 
+ODD_PATHS = {"code": "/root/it's code", "venv": "/root/my venv", "model": "/dev/shm/m 1"}
 ODD = parse_inventory({"hosts": {"pve1": {"address": "pve1.example"}},
-                       "containers": {200: {"host": "pve1", "paths": {"code": "/root/it's code", "venv": "/root/my venv",
-                                                                      "model": "/dev/shm/m 1"}}}}).container(200)
+                       "containers": {200: {"host": "pve1", "paths": ODD_PATHS}}}).container(200)
 
 
 def test_venv_and_tiny_target_lines_read_back_as_the_argv_meant():
     """Paths with a quote and spaces: the host's shell reads back exactly the argv deploy meant."""
     venv = shlex.split(deploy.venv_line(ODD, "abc"))
-    assert venv[:4] == ["pct", "exec", "200", "--"]
+    assert venv[:10] == ["env", "LC_ALL=C.UTF-8", "pct", "exec", "200", "--", *commands.session_tied([])]
     assert venv[-8:] == ["sh", "-c", deploy.VENV_SCRIPT, "sh", "/usr/bin/python3", "/root/my venv",
                          "/root/it's code/requirements.txt", "abc"]
     assert "PATH=/root/my venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin" in venv
     tiny = shlex.split(deploy.tiny_target_line(ODD))
-    assert tiny[4:8] == ["env", "-i", "-C", "/root/it's code"]
-    assert tiny[-4:] == ["/root/my venv/bin/python", "/root/it's code/make_tiny_target.py", "--out", "/dev/shm/m 1"]
+    assert tiny[10:14] == ["env", "-i", "-C", "/root/it's code"]
+    assert tiny[-4:] == ["/root/my venv/bin/python", "/root/it's code/make_tiny_target.py", "--out",
+                         "/dev/shm/m 1"]
 
 
 def test_script_line_runs_the_exact_script_text(tmp_path):
@@ -139,10 +150,13 @@ def test_script_line_runs_the_exact_script_text(tmp_path):
     (tmp_path / "code").mkdir()
     (tmp_path / "code" / "x.py").write_text("x")
     payload = {"code": str(tmp_path / "code"), "want": ["code"]}
-    argv = [sys.executable, "-c", facts.LOADER, facts.packed(facts.CONTAINER_FACTS), "facts", json.dumps(payload)]
-    answer = facts.parse_json_line(subprocess.run(argv, capture_output=True, text=True, check=True).stdout, "t")
+    argv = [sys.executable, "-c", facts.LOADER, facts.packed(facts.CONTAINER_FACTS), "facts",
+            json.dumps(payload)]
+    answer = facts.parse_json_line(subprocess.run(argv, capture_output=True, text=True, check=True).stdout,
+                                   "t")
     assert answer["code"] == container_facts.code_fact(str(tmp_path / "code"))
-    assert answer["code"]["files"] == {"x.py": "2d711642b726b04401627ca9fbac32f5c8530fb1903cc4db02258717921a4881"}
+    assert (answer["code"]["files"]
+            == {"x.py": "2d711642b726b04401627ca9fbac32f5c8530fb1903cc4db02258717921a4881"})
 
 
 # --- staging a release (container_release.py, on a real filesystem) -------------------------------
@@ -172,7 +186,8 @@ class Container:
             data = data[: len(data) // 2]
         tarball = self.base / "upload.tar.gz"
         tarball.write_bytes(data)
-        args = {"code": self.code, "releases": self.releases, "tarball": str(tarball), "release": plan.release,
+        args = {"code": self.code, "releases": self.releases, "tarball": str(tarball),
+                "release": plan.release,
                 "tree": plan.tree, "keep": deploy.KEEP_RELEASES}
         return plan, container_release.main(args)
 
@@ -229,7 +244,7 @@ def test_old_releases_are_pruned_and_a_legacy_code_dir_is_kept_as_a_release(tmp_
     assert box.files() == {"a.py": "v4"}
 
 
-# --- run lock and cache cleaning (container_facts.py) ---------------------------------------------
+# --- run lock and cache cleaning (container_runs.py) ---------------------------------------------
 
 def test_cache_cleaner_refuses_while_the_runs_lock_is_held_and_force_overrides(tmp_path):
     runs = tmp_path / "runs"
@@ -239,22 +254,22 @@ def test_cache_cleaner_refuses_while_the_runs_lock_is_held_and_force_overrides(t
     (cache / "sub").mkdir(parents=True)
     (cache / "sub" / "k.bin").write_bytes(b"x" * 1000)
     args = {"caches": {"inductor": str(cache), "triton": str(tmp_path / "none")},
-            "lock": str(runs / ".lock"), "current": str(runs / ".current")}
+            "runs": str(runs)}
     holder = open(runs / ".lock", "w")
     fcntl.flock(holder, fcntl.LOCK_EX)  # what a live run's processes hold (jobs.py)
     try:
-        assert container_facts.alive_run(args["lock"], args["current"]) == "run-1"
-        answer = container_facts.clean_caches(args)
+        assert container_runs.alive_run(args["runs"]) == "run-1"
+        answer = container_runs.clean_caches(args)
         assert answer == {"refused": "run-1"} and cache.exists()
         with pytest.raises(RunStateError, match="run 'run-1' is alive.*--force"):
             caches.parse_clean(_Ct(), answer)
-        forced = caches.parse_clean(_Ct(), container_facts.clean_caches({**args, "force": True}))
+        forced = caches.parse_clean(_Ct(), container_runs.clean_caches({**args, "force": True}))
     finally:
         holder.close()
     assert not cache.exists()
     assert [(f.name, f.bytes, f.files, f.existed) for f in forced] == [("inductor", 1000, 1, True),
                                                                        ("triton", 0, 0, False)]
-    assert container_facts.alive_run(args["lock"], args["current"]) is None
+    assert container_runs.alive_run(args["runs"]) is None
 
 
 class _Ct:
@@ -263,8 +278,8 @@ class _Ct:
 
 def test_gpu_verdicts(ct):
     assert facts.gpu_verdict(ct, 0)[0]  # no roles: CPU only
-    gpu = parse_inventory({**INVENTORY, "containers": {200: {"host": "pve1", "roles": {"target": [0, 1, 2, 3, 4],
-                                                                                      "drafter": [5, 6, 7]}}}})
+    roles = {"target": [0, 1, 2, 3, 4], "drafter": [5, 6, 7]}
+    gpu = parse_inventory({**INVENTORY, "containers": {200: {"host": "pve1", "roles": roles}}})
     g = gpu.container(200)
     assert facts.gpus_needed(g) == 8
     assert facts.gpu_verdict(g, 8)[0] and not facts.gpu_verdict(g, 7)[0]
@@ -283,7 +298,8 @@ def test_the_tiny_target_is_fitted_only_when_the_inventory_asks():
     from dflash_ops.inventory import load_inventory
 
     repo = Path(__file__).resolve().parents[2]
-    ct = dataclasses.replace(load_inventory(repo / "inventory" / "production.yaml").container(200), tiny_target=True)
+    ct = dataclasses.replace(load_inventory(repo / "inventory" / "production.yaml").container(200),
+                             tiny_target=True)
     assert "--fit-steps" not in deploy.tiny_target_line(ct)
     fitted = deploy.tiny_target_line(dataclasses.replace(ct, tiny_target_fit_steps=200))
     assert fitted.endswith("make_tiny_target.py --out /dev/shm/Qwen3.6-27B --fit-steps 200")

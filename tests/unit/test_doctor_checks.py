@@ -14,22 +14,24 @@ RECORDED = json.loads("""
  "code": {"exists": true, "link": true, "release": "/root/dflash.releases/7ab4f6442f146718",
           "files": {"train_config.py": "aa", "dflash_model.py": "bb"}, "tree": "TREE"},
  "venv": {"python": true, "requirements": "a057fe3009302e617550bf4f8707de1bb87dc9ce56a53fff859b8fd42751e916",
-          "torch": {"rc": 0, "out": "{\\"torch\\": \\"2.13.0+cpu\\", \\"cuda\\": null, \\"available\\": false, \\"count\\": 0}",
-                    "err": ""}},
- "model": {"dir": true, "config": true, "model_type": "qwen3", "text_model_type": "qwen3", "multimodal": false,
-           "hidden_size": 64, "layers": 6},
+          "torch": {"rc": 0, "err": "",
+                    "out": "{\\"torch\\": \\"2.13.0+cpu\\", \\"cuda\\": null, \\"available\\": false, \\"count\\": 0}"}},
+ "model": {"dir": true, "config": true, "model_type": "qwen3", "text_model_type": "qwen3",
+           "multimodal": false, "hidden_size": 64, "layers": 6},
  "gpus": {"smi": false},
  "space": {"shm": {"path": "/dev/shm", "free": 1072459776, "total": 1073741824},
            "runs": {"path": "/root/runs", "free": 82334191616, "total": 270553174016}},
  "caches": {"inductor": {"exists": true, "bytes": 300000, "files": 1, "path": "/root/.cache/dflash/inductor"},
-            "torch_extensions": {"exists": false, "bytes": 0, "files": 0, "path": "/root/.cache/dflash/torch_extensions"},
+            "torch_extensions": {"exists": false, "bytes": 0, "files": 0,
+                                 "path": "/root/.cache/dflash/torch_extensions"},
             "triton": {"exists": false, "bytes": 0, "files": 0, "path": "/root/.cache/dflash/triton"}},
  "alive": null}
-""")
+""")  # noqa: E501
 HASHES = {"train_config.py": "aa", "dflash_model.py": "bb"}
 REQ = "a057fe3009302e617550bf4f8707de1bb87dc9ce56a53fff859b8fd42751e916"
 CPU = {"hosts": {"pve1": {"address": "127.0.0.1"}},
-       "containers": {200: {"host": "pve1", "tiny_target": True, "roles": {"target": ["cpu"], "drafter": ["cpu"]},
+       "containers": {200: {"host": "pve1", "tiny_target": True,
+                            "roles": {"target": ["cpu"], "drafter": ["cpu"]},
                             "paths": {"model": "/dev/shm/tiny-qwen3"}}}}
 GPU = {"hosts": {"pve1": {"address": "pve1.example"}},
        "containers": {200: {"host": "pve1", "roles": {"target": [0, 1, 2, 3, 4], "drafter": [5, 6, 7]},
@@ -62,7 +64,8 @@ def test_recorded_healthy_sandbox_is_all_green():
 
 
 @pytest.mark.parametrize("changes,name,detail,fix", [
-    ({"model.dir": False, "model.config": False}, "model", "/dev/shm/tiny-qwen3 does not exist", "invoke deploy"),
+    ({"model.dir": False, "model.config": False}, "model", "/dev/shm/tiny-qwen3 does not exist",
+     "invoke deploy"),
     ({"model.config": False}, "model", "has no config.json", "invoke deploy"),
     ({"venv.requirements": "0" * 64}, "venv", "built from other requirements (000000000000", "invoke deploy"),
     ({"venv.python": False, "venv.torch": None}, "venv", "no python in /root/venv", "invoke deploy"),
@@ -92,10 +95,12 @@ def test_gpus_against_the_roles():
     eight = [[str(i), "NVIDIA H200", "143771 MiB", "570.86.15"] for i in range(8)]
     ok = verdicts(inv=GPU, **{"gpus": {"smi": True, "rc": 0, "err": "", "gpus": eight}})["GPUs (nvidia-smi)"]
     assert ok.ok and ok.detail == "8 visible (NVIDIA H200; driver 570.86.15), the roles need 8"
-    short = verdicts(inv=GPU, **{"gpus": {"smi": True, "rc": 0, "err": "", "gpus": eight[:7]}})["GPUs (nvidia-smi)"]
+    short = verdicts(inv=GPU,
+                     **{"gpus": {"smi": True, "rc": 0, "err": "", "gpus": eight[:7]}})["GPUs (nvidia-smi)"]
     assert not short.ok and "the roles need 8" in short.detail and "lxc.mount.entry" in short.fix
     mismatch = verdicts(inv=GPU, **{"gpus": {"smi": True, "rc": 18, "gpus": [],
-                                             "err": "Failed to initialize NVML: Driver/library version mismatch"}})
+                                             "err": "Failed to initialize NVML: Driver/library "
+                                                    "version mismatch"}})
     assert not mismatch["GPUs (nvidia-smi)"].ok and "version mismatch" in mismatch["GPUs (nvidia-smi)"].detail
     assert not verdicts(inv=GPU)["GPUs (nvidia-smi)"].ok  # no nvidia-smi while the roles name GPUs
     torch_short = verdicts(inv=GPU)["torch / CUDA"]  # the recorded CPU torch sees 0 of the 8 GPUs

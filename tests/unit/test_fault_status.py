@@ -1,6 +1,8 @@
 """`status` on a run whose disk filled up: the log may end mid-line with no error in it and the
 wrapper may have had no room for the exit code, so the free space it reads names the runbook."""
 
+from recorded_answers import status_answer
+
 from dflash_ops.status import parse_status
 
 FULL_DISK_FACTS = """now 1764421000
@@ -20,7 +22,7 @@ end
 
 
 def test_a_full_run_filesystem_is_named_even_without_an_error_line():
-    st = parse_status(FULL_DISK_FACTS.format(free=0))
+    st = parse_status(status_answer(FULL_DISK_FACTS.format(free=0)))
     assert (st.state, st.step) == ("crashed", 91)  # the torn last record is skipped
     assert st.detail.startswith("no exit code recorded")
     assert [(f["key"], f["runbook"]) for f in st.findings] == [("disk-full", "docs/runbooks/disk-full.md")]
@@ -28,5 +30,5 @@ def test_a_full_run_filesystem_is_named_even_without_an_error_line():
 
 
 def test_enough_space_or_no_fact_adds_nothing():
-    assert parse_status(FULL_DISK_FACTS.format(free=5 << 30)).findings == []
-    assert parse_status(FULL_DISK_FACTS.replace("free {free}\n", "")).findings == []
+    assert parse_status(status_answer(FULL_DISK_FACTS.format(free=5 << 30))).findings == []
+    assert parse_status(status_answer(FULL_DISK_FACTS.replace("free {free}\n", ""))).findings == []

@@ -59,7 +59,8 @@ def test_good_inventory_loads_into_frozen_dataclasses():
     (["hosts", "pve1", "port"], 70000, "hosts.pve1.port", "must be 1..65535"),
     (["hosts", "pve1", "address"], "-oProxyCommand=x", "hosts.pve1.address", "not a host name"),
     (["containers", 200, "env"], {"BAD-NAME": "1"}, "containers.200.env.BAD-NAME", "malformed"),
-    (["containers", 200, "env"], {"OMP_NUM_THREADS": 2}, "containers.200.env.OMP_NUM_THREADS", "must be a string"),
+    (["containers", 200, "env"], {"OMP_NUM_THREADS": 2}, "containers.200.env.OMP_NUM_THREADS",
+     "must be a string"),
     (["containers", 200, "paths", "venv"], "relative/venv", "containers.200.paths.venv", "absolute path"),
     (["containers", 200, "paths", "code"], "/root", "containers.200.paths.code", "system directory"),
     (["containers", 200, "roles", "target"], [0, "gpu1"], "containers.200.roles.target", "GPU indices"),
@@ -67,11 +68,14 @@ def test_good_inventory_loads_into_frozen_dataclasses():
     (["containers", 200, "host"], "nope", "containers.200.host", "no host named"),
     (["containers", 200, "tiny_target"], "yes", "containers.200.tiny_target", "true or false"),
     (["containers", 200, "tiny_target_fit_steps"], -1, "containers.200.tiny_target_fit_steps", "0 or more"),
-    (["containers", 200, "tiny_target_fit_steps"], "200", "containers.200.tiny_target_fit_steps", "must be int"),
+    (["containers", 200, "tiny_target_fit_steps"], "200", "containers.200.tiny_target_fit_steps",
+     "must be int"),
     (["groups", "all"], [200, 999], "groups.all", "not defined"),
     (["default_container"], 201, "default_container", "not defined"),
     (["hosts", "pve1", "jump"], "pve1", "hosts.pve1.jump", "no other host"),
     (["hosts"], KeyError, "hosts", "required key is missing"),
+    (["hosts", "pve1", "become"], "su", "hosts.pve1.become", "must be one of sudo"),
+    (["hosts", "pve1", "become"], True, "hosts.pve1.become", "must be one of sudo"),
 ])
 def test_bad_values_are_refused_with_file_key_and_reason(path, value, key, reason):
     with pytest.raises(InventoryError) as err:
@@ -79,6 +83,13 @@ def test_bad_values_are_refused_with_file_key_and_reason(path, value, key, reaso
     message = str(err.value)
     assert message.startswith(f"inv.yaml: {key}: "), message
     assert reason in message
+
+
+def test_become_sudo_starts_pct_through_sudo_without_a_prompt():
+    plain = parse_inventory(GOOD, "inv.yaml").hosts["pve1"]
+    assert plain.become is None and plain.pct_command == ["env", "LC_ALL=C.UTF-8", "pct"]
+    sudo = parse_inventory(edited(["hosts", "pve1", "become"], "sudo"), "inv.yaml").hosts["pve1"]
+    assert sudo.pct_command == ["env", "LC_ALL=C.UTF-8", "sudo", "-n", "pct"]
 
 
 @pytest.mark.parametrize("ctid", ["abc", 99, -1, True, "200; rm"])

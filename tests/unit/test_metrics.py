@@ -1,13 +1,14 @@
 """metrics/eval/fetch pure parts: exact argv, the in-container scripts run here with a real sh on a
 real run directory, the parsers on recorded output, the table and the plot (real matplotlib)."""
 
-import hashlib
 import json
 import subprocess
+import sys
 
 import pytest
+from recorded_answers import metrics_answer, status_answer
 
-from dflash_ops import evaluate, fetch, metrics
+from dflash_ops import evaluate, facts, fetch, metrics
 from dflash_ops.errors import UsageError
 from dflash_ops.inventory import parse_inventory
 
@@ -35,7 +36,7 @@ RECORDED = """== metrics
 == evals
 {"kind": "dflash_eval", "step": 50, "acceptance_length": 2.08, "tokens_per_target_forward": 1.89, "speedup": 0.77, "lossless": true}
 == end
-"""
+"""  # noqa: E501
 
 
 @pytest.fixture
@@ -46,7 +47,7 @@ def inv():
 # --- parsing, table, plot ---------------------------------------------------------------------------
 
 def test_recorded_metrics_parse_by_kind_and_torn_lines_are_counted():
-    m = metrics.parse_metrics(RECORDED, "t")
+    m = metrics.parse_metrics(metrics_answer(RECORDED), "t")
     assert [r["step"] for r in m.train] == [25, 50]
     assert [r["step"] for r in m.eval] == [0, 50]
     assert [r["step"] for r in m.checkpoints] == [50]
@@ -57,7 +58,7 @@ def test_recorded_metrics_parse_by_kind_and_torn_lines_are_counted():
 def test_table_shows_the_last_n_steps_with_held_out_loss_merged():
     from rich.console import Console
 
-    m = metrics.parse_metrics(RECORDED, "t")
+    m = metrics.parse_metrics(metrics_answer(RECORDED), "t")
     console = Console(width=150, record=True)
     console.print(metrics.table(m, n=1))
     text = console.export_text()
@@ -69,11 +70,11 @@ def test_table_shows_the_last_n_steps_with_held_out_loss_merged():
     for cell in ("3.3800", "3.1000", "1.20", "0.15 0.16 0.17", "2,422", "4.9e-03"):
         assert cell in row, (cell, row)
     assert "acceptance 2.08" in metrics.eval_summary(m)
-    assert metrics.eval_summary(metrics.parse_metrics("== metrics\n== end\n")) is None
+    assert metrics.eval_summary(metrics.parse_metrics(metrics_answer("== metrics\n== end\n"))) is None
 
 
 def test_plot_writes_a_png_of_every_panel(tmp_path):
-    m = metrics.parse_metrics(RECORDED, "t")
+    m = metrics.parse_metrics(metrics_answer(RECORDED), "t")
     path = metrics.plot(m, str(tmp_path / "run.png"))
     with open(path, "rb") as f:
         head = f.read(24)
@@ -86,21 +87,27 @@ def test_plot_of_a_run_without_metrics_is_refused(tmp_path):
     from dflash_ops.errors import RunStateError
 
     with pytest.raises(RunStateError, match="no metrics yet"):
-        metrics.plot(metrics.parse_metrics("== metrics\n== end\n", "empty"), str(tmp_path / "x.png"))
+        metrics.plot(metrics.parse_metrics(metrics_answer("== metrics\n== end\n"), "empty"),
+                     str(tmp_path / "x.png"))
+
+
+def run_verb(verb, payload):
+    """container_runs.py's verb through the exact loader and packed text the container gets."""
+    argv = [sys.executable, "-c", facts.LOADER, facts.packed(facts.CONTAINER_RUNS), verb, json.dumps(payload)]
+    out = subprocess.run(argv, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
 
 
 def test_metrics_script_on_a_real_run_dir(tmp_path):
     run = tmp_path / "runs" / "t"
     run.mkdir(parents=True)
     (run / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 2.0}\n')
-    out = subprocess.run(["sh", "-c", metrics.METRICS_SCRIPT, "sh", str(tmp_path / "runs"), "t"],
-                         capture_output=True, text=True)
-    assert out.returncode == 0
-    parsed = metrics.parse_metrics(out.stdout, "t")
+    out = run_verb("metrics", {"runs": str(tmp_path / "runs"), "name": "t"})
+    parsed = metrics.parse_metrics(out, "t")
     assert [r["loss"] for r in parsed.train] == [2.0] and parsed.dflash_evals == []
-    missing = subprocess.run(["sh", "-c", metrics.METRICS_SCRIPT, "sh", str(tmp_path / "runs"), "nope"],
-                             capture_output=True, text=True)
-    assert missing.returncode == metrics.EXIT_NO_RUN and "no run named nope" in missing.stderr
+    missing = json.loads(run_verb("metrics", {"runs": str(tmp_path / "runs"), "name": "nope"}))
+    assert missing["error"] == "no-run" and "no run named nope" in missing["message"]
 
 
 # --- eval / regenerate argv ------------------------------------------------------------------------
@@ -118,7 +125,8 @@ def test_eval_argv_exact(inv):
 
 @pytest.mark.parametrize("kwargs,message", [
     ({"run": "../x"}, "run name"), ({"run": "ok", "checkpoint": "--device=x"}, "--checkpoint"),
-    ({"run": "ok", "num_prompts": 0}, "--num-prompts"), ({"run": "ok", "max_new_tokens": -1}, "--max-new-tokens"),
+    ({"run": "ok", "num_prompts": 0}, "--num-prompts"),
+    ({"run": "ok", "max_new_tokens": -1}, "--max-new-tokens"),
 ])
 def test_eval_argv_refuses_bad_values(inv, kwargs, message):
     with pytest.raises(UsageError, match=message):
@@ -137,6 +145,10 @@ def test_regenerate_argv_defaults_pair_inputs_with_outputs(inv):
                                              limit=5, max_new_tokens=16, batch_size=8)
     assert argv[2:] == ["--target=/m", "--device=cpu", "--dtype=float32", "--max-new-tokens=16",
                         "--limit=5", "--batch-size=8", "--in=/x/a.jsonl", "--out=/o/a.jsonl"]
+    _, outputs = evaluate.regenerate_argv(inv.container(201), sources=["/x/sg.parquet", "/x/shards/",
+                                                                      "/x/b.jsonl.gz", "/x/c.json"])
+    assert outputs == ["/srv/data/sg.jsonl", "/srv/data/shards.jsonl", "/srv/data/b.jsonl",
+                       "/srv/data/c.jsonl"]
     with pytest.raises(UsageError, match="different names"):
         evaluate.regenerate_argv(inv.container(201), sources=["a/x.jsonl", "b/x.jsonl"])
 
@@ -148,6 +160,14 @@ def test_result_lines_are_parsed_and_hidden_from_the_person():
     stream.write(": 1}\nLoading weights: 100%\ndone\n")
     assert shown == ["eval: 2 prompts", "done"]
     assert evaluate.results_of('x\nRESULT {"a": 1}\nRESULT {"b": 2}\n') == [{"a": 1}, {"b": 2}]
+
+
+def test_a_scripts_own_error_line_is_left_to_the_tasks_error():
+    shown = []
+    stream = evaluate._ShowLines(shown.append, evaluate.SCRIPT_ERRORS)
+    stream.write("a warning\nregenerate_data: error: x.jsonl: empty file\neval_dflash: error: no prompts\n")
+    assert evaluate.SCRIPT_ERRORS == ("eval_dflash: error: ", "regenerate_data: error: ")
+    assert shown == ["a warning"]
 
 
 def test_describe_names_every_number():
@@ -167,34 +187,10 @@ def test_describe_names_every_number():
 
 # --- fetch -----------------------------------------------------------------------------------------
 
-def test_list_script_resolves_latest_and_hashes_in_place(tmp_path):
-    ckpt = tmp_path / "runs" / "r" / "checkpoints" / "step-20"
-    ckpt.mkdir(parents=True)
-    (ckpt / "config.json").write_text("{}")
-    (ckpt / "model.safetensors").write_bytes(b"\x00weights" * 100)
-    (tmp_path / "runs" / "r" / "checkpoints" / "latest").write_text("step-20\n")
-    argv = ["sh", "-c", fetch.LIST_SCRIPT, "sh", str(tmp_path / "runs"), "r", "latest", *fetch.MODEL_FILES]
-    out = subprocess.run(argv, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    directory, files = fetch.parse_listing(out.stdout)
-    assert directory == str(ckpt)
-    assert [(f.name, f.size) for f in files] == [("config.json", 2), ("model.safetensors", 800)]
-    assert files[1].sha256 == hashlib.sha256(b"\x00weights" * 100).hexdigest()
-    argv[6] = "step-99"
-    missing = subprocess.run(argv, capture_output=True, text=True)
-    assert missing.returncode == fetch.EXIT_NO_CHECKPOINT and "no checkpoint step-99" in missing.stderr
-
-
 @pytest.mark.parametrize("name", ["step-x", "../step-1", "latest; rm", ""])
 def test_fetch_checkpoint_names_are_checked(name):
     with pytest.raises(UsageError):
         fetch.validate_checkpoint(name)
-
-
-def test_listing_without_a_dir_line_is_an_error():
-    with pytest.raises(ValueError):
-        fetch.parse_listing("abc 1 x\n")
-    assert json.dumps(fetch.parse_listing("dir /a b\n")[0]) == '"/a b"'
 
 
 def test_regeneration_summary_warns_when_answers_never_end():
@@ -212,14 +208,14 @@ now 1795954010
 name t1
 exists 1
 alive 0
-pid 82 
-started 1795953931 
-ended 1795953966 
-exit_code 0 
+pid 82
+started 1795953931
+ended 1795953966
+exit_code 0
 metric {"kind": "train", "step": 30, "loss": 4.7, "acceptance_length": 1.13, "tokens_per_s": 4905.8, "lr": 0.004}
 evaljson {"kind": "dflash_eval", "time": 1795954000.5, "step": 30, "prompts": 4, "lossless": true, "mismatched_prompts": [], "acceptance_length": 6.2, "acceptance_histogram": [1, 0, 0, 0, 0, 0, 2, 5], "tokens_per_target_forward": 4.1, "speedup": 1.7}
 end
-"""
+"""  # noqa: E501
 
 
 def test_status_shows_the_last_dflash_evaluation():
@@ -227,7 +223,7 @@ def test_status_shows_the_last_dflash_evaluation():
 
     from dflash_ops import status
 
-    st = status.parse_status(STATUS_WITH_EVAL)
+    st = status.parse_status(status_answer(STATUS_WITH_EVAL))
     assert st.last_eval == {"step": 30, "acceptance_length": 6.2, "tokens_per_target_forward": 4.1,
                             "speedup": 1.7, "lossless": True, "prompts": 4, "time": 1795954000.5}
     console = Console(width=160, record=True)
@@ -235,7 +231,7 @@ def test_status_shows_the_last_dflash_evaluation():
     row = next(line for line in console.export_text().splitlines() if "last dflash eval" in line)
     assert ("acceptance 6.20, 4.10 tokens/target forward, speedup 1.70x, lossless (step 30, 4 prompts)"
             in row)
-    torn = status.parse_status(STATUS_WITH_EVAL.replace('"speedup": 1.7}', '"speedup": 1'))
+    torn = status.parse_status(status_answer(STATUS_WITH_EVAL.replace('"speedup": 1.7}', '"speedup": 1')))
     assert torn.last_eval is None and torn.step == 30  # eval.json being rewritten: no eval row
 
 
@@ -244,7 +240,7 @@ def test_status_script_prints_eval_json_on_one_line(tmp_path):
 
     run = tmp_path / "runs" / "t1"
     run.mkdir(parents=True)
-    (run / "eval.json").write_text(json.dumps({"step": 3, "acceptance_length": 2.5, "lossless": True}, indent=1))
-    out = subprocess.run(["sh", "-c", status.STATUS_SCRIPT, "sh", str(tmp_path / "runs"), "t1"],
-                         capture_output=True, text=True).stdout
+    (run / "eval.json").write_text(json.dumps({"step": 3, "acceptance_length": 2.5, "lossless": True},
+                                              indent=1))
+    out = run_verb("status", {"runs": str(tmp_path / "runs"), "name": "t1"})
     assert status.parse_status(out).last_eval["acceptance_length"] == 2.5

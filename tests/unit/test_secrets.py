@@ -7,6 +7,7 @@ The container side (the value reaching the process, the run directory) is in
 tests/integration/test_hostile_inputs.py.
 """
 
+import json
 import shlex
 import subprocess
 import sys
@@ -24,7 +25,8 @@ from dflash_ops.transport import HostSession
 REPO = Path(__file__).resolve().parents[2]
 SECRET_VALUES = ["hf_plain_s3cr3t", "it's a 's3cr3t'", 'dq"s3cr3t"', "s3cr3t with spaces", "$(id)s3cr3t",
                  "`id`s3cr3t", "s3cr3t;rm -rf /", "line1\ns3cr3t", "ünï s3cr3t €", "\\s3cr3t\\", "x" * 3000]
-SECRET_NAMES = ["HF_TOKEN", "WANDB_API_KEY", "DB_PASSWORD", "MY_SECRET", "AWS_SECRET_ACCESS_KEY", "github_token",
+SECRET_NAMES = ["HF_TOKEN", "WANDB_API_KEY", "DB_PASSWORD", "MY_SECRET", "AWS_SECRET_ACCESS_KEY",
+                "github_token",
                 "SSH_PRIVATE_KEY", "ROOT_PASSWD"]
 
 
@@ -32,7 +34,8 @@ def inventory_with(tmp_path, env, secret_env=(), pip_env=None) -> Path:
     """One container on a loopback port nothing listens on: a dry run must not need a host."""
     base = tmp_path / "ct"
     inv = {"default_container": 200,
-           "hosts": {"pve1": {"address": "127.0.0.1", "port": 9, "known_hosts": str(tmp_path / "known_hosts")}},
+           "hosts": {"pve1": {"address": "127.0.0.1", "port": 9,
+                              "known_hosts": str(tmp_path / "known_hosts")}},
            "containers": {200: {"host": "pve1", "roles": {"target": ["cpu"], "drafter": ["cpu"]},
                                 "paths": {"venv": str(base / "venv"), "code": str(base / "code"),
                                           "runs": str(base / "runs"), "model": str(base / "model")},
@@ -79,7 +82,8 @@ def test_recorded_environment_and_launch_record_are_masked_but_the_line_carries_
     env = {f"S{i}_TOKEN": v for i, v in enumerate(SECRET_VALUES)}
     ct = load_inventory(str(inventory_with(tmp_path, env))).containers[200]
     argv, _ = jobs.launch_argv(ct, "r1", sets=["data.assistant_header=plain"])
-    env_text, launch_json = argv[4 + 6], argv[4 + 5]  # sh -c SCRIPT sh $1.. : $6 launch.json, $7 env
+    payload = json.loads(argv[-1])  # python -c LOADER SCRIPT launch PAYLOAD
+    env_text, launch_json = payload["env"], payload["launch"]
     for name, value in env.items():
         assert f"{name}={commands.MASK}" in env_text.splitlines()
         assert value not in env_text and value not in launch_json
@@ -114,7 +118,8 @@ SECRET = st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_
 @given(value=SECRET, other=st.text(alphabet="abc $'\"\n;", max_size=12))
 def test_property_a_masked_line_never_shows_the_secret_and_the_sent_line_carries_it(value, other):
     env = {"HF_TOKEN": value, "PLAIN": other}
-    skeleton = commands.pct_exec(200, ["python", "train.py", f"--set=x={other}"], env={"HF_TOKEN": "", "PLAIN": other})
+    skeleton = commands.pct_exec(200, ["python", "train.py", f"--set=x={other}"],
+                                 env={"HF_TOKEN": "", "PLAIN": other})
     assume(value not in skeleton and value.strip() and commands.MASK not in value)
     line = commands.pct_exec(200, ["python", "train.py", f"--set=x={other}"], env=env)
     assert f"HF_TOKEN={value}" in shlex.split(line)  # sent as is

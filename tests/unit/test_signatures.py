@@ -1,6 +1,8 @@
-"""Known failure signatures: real error lines match the right runbook, ordinary training lines match nothing."""
+"""Known failure signatures: real error lines match the right runbook, ordinary training
+lines match nothing."""
 
 import io
+
 import pytest
 
 from dflash_ops import signatures
@@ -13,10 +15,12 @@ KNOWN = [
     ("cuda-oom", "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 5 has a total "
                  "capacity of 139.72 GiB of which 1.12 GiB is free."),
     ("cuda-oom", "torch.cuda.OutOfMemoryError: CUDA out of memory."),
-    ("nccl", "torch.distributed.DistBackendError: NCCL error in: ../torch/csrc/distributed/c10d/NCCLUtils.hpp:275, "
+    ("nccl",
+     "torch.distributed.DistBackendError: NCCL error in: ../torch/csrc/distributed/c10d/NCCLUtils.hpp:275, "
              "unhandled system error (run with NCCL_DEBUG=INFO for details), NCCL version 2.21.5"),
     ("nccl", "ncclUnhandledCudaError: Call to CUDA function failed."),
-    ("nccl", "[rank3]:[E ProcessGroupNCCL.cpp:1414] [PG 0 Rank 3] Watchdog caught collective operation timeout"),
+    ("nccl",
+     "[rank3]:[E ProcessGroupNCCL.cpp:1414] [PG 0 Rank 3] Watchdog caught collective operation timeout"),
     ("disk-full", "OSError: [Errno 28] No space left on device: '/root/runs/a/checkpoints/.tmp-step-500'"),
     ("venv-torch", "ModuleNotFoundError: No module named 'torch'"),
     ("venv-torch", "RuntimeError: The NVIDIA driver on your system is too old (found version 12020). "
@@ -28,8 +32,10 @@ KNOWN = [
 ]
 
 ORDINARY = [
-    "12:06:03 INFO step 25/30 | loss 8.3215 | tau 1.07 | acc[1:5] 0.07 0.08 0.10 0.11 | 2716 tok/s | lr 5.00e-03",
-    "12:05:35 INFO compile: enabled=False mode=None recompile_limit=64 inductor cache=/root/.cache/dflash/inductor",
+    "12:06:03 INFO step 25/30 | loss 8.3215 | tau 1.07 | acc[1:5] 0.07 0.08 0.10 0.11 | 2716 tok/s | "
+    "lr 5.00e-03",
+    "12:05:35 INFO compile: enabled=False mode=None recompile_limit=64 inductor "
+    "cache=/root/.cache/dflash/inductor",
     "12:05:42 INFO compile warm-up: shape ('train', 0) took 1.67 s",
     "NCCL_NVLS_ENABLE=0",
     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
@@ -75,13 +81,16 @@ def test_log_printer_highlights_and_names_the_runbook():
     assert printer.run == "r1"
     assert printer.ended.startswith("run r1 is not running")
     assert lines[2] == KNOWN[0][1]
-    assert lines[3] == ">>> torch.compile FX-tracing race between drafter threads: read docs/runbooks/compile-race.md"
-    assert printer.summary() == ["torch.compile FX-tracing race between drafter threads: read docs/runbooks/compile-race.md"]
+    assert (lines[3]
+            == ">>> torch.compile FX-tracing race between drafter threads: read "
+               "docs/runbooks/compile-race.md")
+    assert printer.summary() == ["torch.compile FX-tracing race between drafter threads: read "
+                                 "docs/runbooks/compile-race.md"]
     assert "\r" not in out.getvalue()
 
 
-def test_warmup_failure_shows_the_traceback_end_and_progress_per_drafter():
-    from dflash_ops.jobs import WarmupProgress
+def test_warmup_failure_says_its_last_error_line_and_the_runbook_and_progress_per_drafter():
+    from dflash_ops.jobs import WarmupProgress, why_it_failed
 
     out = io.StringIO()
     progress = WarmupProgress(["cuda:5", "cuda:6"], out=out)
@@ -89,11 +98,15 @@ def test_warmup_failure_shows_the_traceback_end_and_progress_per_drafter():
                    "12:00:09 INFO compile warm-up: shape ('eval', 0) took 8.01 s\r\n"
                    "noise before\r\nTraceback (most recent call last):\r\n"
                    '  File "/root/dflash/warmup_compile.py", line 52, in warm\r\n'
-                   "    timings = training.warm_up(drafters.workers, lambda worker: training.prepare_batch(\r\n"
-                   + KNOWN[0][1] + "\r\nwarmup_compile: error: warm-up failed: RuntimeError: Detected that you")
+                   "    timings = training.warm_up(drafters.workers, lambda worker: "
+                   "training.prepare_batch(\r\n"
+                   + KNOWN[0][1]
+                   + "\r\nwarmup_compile: error: warm-up failed: RuntimeError: Detected that you")
     shown = out.getvalue().splitlines()
     assert shown[1] == "[warmup] drafter 0 (cuda:5): train 41.2 s  (1/4 shapes)"
     assert shown[3] == "[warmup] drafter 0 (cuda:5): train 41.2 s, eval 8.0 s  (2/4 shapes)"
-    tail = progress.failure_tail().splitlines()
-    assert tail[0] == "Traceback (most recent call last):" and tail[-1].startswith("warmup_compile: error:")
+    progress.close()
+    assert why_it_failed(progress.lines) == ("warmup_compile: error: warm-up failed: RuntimeError: "
+                                             "Detected that you; torch.compile FX-tracing race between "
+                                             "drafter threads: read docs/runbooks/compile-race.md")
     assert [s.key for s, _ in signatures.scan(progress.lines)] == ["compile-race"]

@@ -8,6 +8,7 @@ runs lock; GPUS and the out-of-memory log are written in nvidia-smi's and torch'
 import json
 
 import pytest
+from recorded_answers import status_answer
 
 from dflash_ops.status import RunStatus, describe_exit, parse_status, render
 
@@ -16,12 +17,12 @@ now 1795954010
 name t1
 exists 1
 alive 0
-pid 82 
-pgid 79 
-started 1795953931 
-ended 1795953966 
-exit_code 0 
-code_version tree c3f5d18a75f3f24e18bbbab62d6a9f0978680da873db2a44a5ce5850ae9e1418 
+pid 82
+pgid 79
+started 1795953931
+ended 1795953966
+exit_code 0
+code_version tree c3f5d18a75f3f24e18bbbab62d6a9f0978680da873db2a44a5ce5850ae9e1418
 mtime_log 1795953966
 mtime_metrics 1795953965
 metric {"kind": "train", "step": 25, "loss": 8.3215, "acceptance_length": 1.07, "tokens_per_s": 2716.2, "lr": 0.005, "memory_gib": 0.56, "time": 1795953963.1}
@@ -31,34 +32,34 @@ metric {"kind": "checkpoint", "step": 30, "path": "/root/runs/t1/checkpoints/ste
 log 12:06:05 INFO checkpoint /root/runs/t1/checkpoints/step-30 (replicas differ by at most 0)
 log dflash-ops: training process 82 ended: exit 0
 end
-"""
+"""  # noqa: E501
 
 RUNNING = """\
 now 1795954068
 name t3
 exists 1
 alive 1
-pid 487 
-pgid 484 
-started 1795954052 
-code_version tree c3f5d18a75f3f24e18bbbab62d6a9f0978680da873db2a44a5ce5850ae9e1418 
+pid 487
+pgid 484
+started 1795954052
+code_version tree c3f5d18a75f3f24e18bbbab62d6a9f0978680da873db2a44a5ce5850ae9e1418
 mtime_log 1795954060
 log dflash-ops: launch 2026-11-29T12:07:32Z of run t3
 log 12:07:40 INFO drafter: 2 layers, 0.1M parameters, taps [1, 3], block 8, mask token 3; dense reference attention (no compile)
 end
-"""
+"""  # noqa: E501
 
 KILLED = """\
 now 1795954070
 name t3
 exists 1
 alive 0
-pid 487 
-pgid 484 
-started 1795954052 
-ended 1795954068 
-exit_code signal 9 
-code_version tree c3f5d18a75f3f24e18bbbab62d6a9f0978680da873db2a44a5ce5850ae9e1418 
+pid 487
+pgid 484
+started 1795954052
+ended 1795954068
+exit_code signal 9
+code_version tree c3f5d18a75f3f24e18bbbab62d6a9f0978680da873db2a44a5ce5850ae9e1418
 mtime_log 1795954068
 log Killed
 log dflash-ops: training process 487 ended: exit signal 9
@@ -70,12 +71,12 @@ now 1795954051
 name t2
 exists 1
 alive 0
-pid 280 
-pgid 277 
-started 1795953974 
-ended 1795954004 
-exit_code 0 
-stopped term 1795954004 
+pid 280
+pgid 277
+started 1795953974
+ended 1795954004
+exit_code 0
+stopped term 1795954004
 mtime_log 1795954004
 mtime_metrics 1795954001
 metric {"kind": "eval", "step": 0, "loss": 16.455127716064453, "slot_accuracy": [0.0], "acceptance_length": 1.0, "time": 1795954001.2993648}
@@ -83,14 +84,14 @@ metric {"kind": "checkpoint", "step": 0, "path": "/root/runs/t2/checkpoints/step
 log 12:06:41 INFO stopped by SIGTERM at step 0
 log dflash-ops: training process 280 ended: exit 0
 end
-"""
+"""  # noqa: E501
 
 H200_BUSY = """\
 now 1795955514
 name r1
 exists 1
 alive 1
-started 1795955506 
+started 1795955506
 gpu 0, 3, 8251, 143771
 end
 """
@@ -108,11 +109,11 @@ OOM = """\
 log   File "/root/dflash/training.py", line 201, in forward_backward
 log torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 5 has a total capacity of 139.72 GiB of which 1.12 GiB is free.
 log dflash-ops: training process 912 ended: exit 1
-"""
+"""  # noqa: E501
 
 
 def test_finished_run_reports_last_train_metrics_and_uptime():
-    st = parse_status(FINISHED)
+    st = parse_status(status_answer(FINISHED))
     assert (st.run, st.state, st.detail, st.pid) == ("t1", "finished", "exit 0", 82)
     assert st.step == 30
     assert st.loss == pytest.approx(4.777572218577067)
@@ -126,17 +127,17 @@ def test_finished_run_reports_last_train_metrics_and_uptime():
 
 
 def test_running_run_is_running_until_quiet_longer_than_the_threshold():
-    st = parse_status(RUNNING, stall_after=600)
+    st = parse_status(status_answer(RUNNING), stall_after=600)
     assert (st.state, st.pid, st.uptime_s, st.idle_s) == ("running", 487, 16, 8)
     assert st.step is None and st.loss is None  # no metric yet: shown as '-', not as zero
-    stalled = parse_status(RUNNING, stall_after=5)
+    stalled = parse_status(status_answer(RUNNING), stall_after=5)
     assert stalled.state == "stalled"
     assert "8 s" in stalled.detail
     assert [f["runbook"] for f in stalled.findings] == ["docs/runbooks/stalled-run.md"]
 
 
 def test_sigkilled_run_is_crashed_with_the_signal():
-    st = parse_status(KILLED)
+    st = parse_status(status_answer(KILLED))
     assert st.state == "crashed"
     assert st.exit_code == "signal 9"
     assert st.detail == "killed by signal 9 (SIGKILL)"
@@ -144,7 +145,7 @@ def test_sigkilled_run_is_crashed_with_the_signal():
 
 
 def test_stopped_run_says_how():
-    st = parse_status(STOPPED)
+    st = parse_status(status_answer(STOPPED))
     assert st.state == "stopped"
     assert st.detail == "stopped with SIGTERM, exit 0"
     assert st.step == 0 and st.loss is None and st.eval_loss == pytest.approx(16.455127716064453)
@@ -152,39 +153,44 @@ def test_stopped_run_says_how():
 
 def test_a_live_run_is_running_even_when_a_stop_was_requested():
     alive = STOPPED.replace("alive 0", "alive 1")
-    assert parse_status(alive).state == "running"
+    assert parse_status(status_answer(alive)).state == "running"
 
 
 def test_missing_and_no_run_yet():
-    assert (parse_status(MISSING).state, parse_status(MISSING).run) == ("missing", "nope")
-    assert (parse_status(NO_RUN_YET).state, parse_status(NO_RUN_YET).run) == ("none", None)
+    assert (parse_status(status_answer(MISSING)).state,
+            parse_status(status_answer(MISSING)).run) == ("missing", "nope")
+    assert (parse_status(status_answer(NO_RUN_YET)).state,
+            parse_status(status_answer(NO_RUN_YET)).run) == ("none", None)
 
 
 def test_run_whose_wrapper_died_too_is_crashed_without_exit_code():
-    text = KILLED.replace("exit_code signal 9 \n", "").replace("ended 1795954068 \n", "")
-    st = parse_status(text)
+    text = KILLED.replace("exit_code signal 9\n", "").replace("ended 1795954068\n", "")
+    st = parse_status(status_answer(text))
     assert st.state == "crashed"
     assert "no exit code recorded" in st.detail
     never = "now 5\nname x\nexists 1\nalive 0\nstarted 1 \nend\n"
-    assert parse_status(never).detail == "the training process never started"
+    assert parse_status(status_answer(never)).detail == "the training process never started"
 
 
 def test_gpu_lines_and_nvidia_smi_errors():
-    st = parse_status(RUNNING.replace("end\n", GPUS + "gpu NVIDIA-SMI has failed because it couldn't communicate\nend\n"))
+    smi_failed = "gpu NVIDIA-SMI has failed because it couldn't communicate\n"
+    st = parse_status(status_answer(RUNNING.replace("end\n", GPUS + smi_failed + "end\n")))
     assert [(g.index, g.utilization, g.memory_used_mib, g.memory_total_mib) for g in st.gpus] == [
         (0, 97, 70211, 143771), (1, 0, 1, 143771), (2, None, None, 143771)]
     assert "couldn't communicate" in st.gpu_error
 
 
 def test_recorded_h200():
-    st = parse_status(H200_BUSY)
+    st = parse_status(status_answer(H200_BUSY))
     assert (st.state, st.uptime_s, st.idle_s) == ("running", 8, 8)
-    assert [(g.index, g.utilization, g.memory_used_mib, g.memory_total_mib) for g in st.gpus] == [(0, 3, 8251, 143771)]
+    assert ([(g.index, g.utilization, g.memory_used_mib, g.memory_total_mib) for g in st.gpus]
+            == [(0, 3, 8251, 143771)])
     assert st.gpu_error is None
 
 
 def test_known_failure_in_the_last_log_lines_names_the_runbook():
-    st = parse_status(KILLED.replace("exit_code signal 9", "exit_code 1").replace("end\n", OOM + "end\n"))
+    killed = KILLED.replace("exit_code signal 9", "exit_code 1").replace("end\n", OOM + "end\n")
+    st = parse_status(status_answer(killed))
     assert st.state == "crashed" and st.detail == "exit 1"
     assert [(f["key"], f["runbook"]) for f in st.findings] == [("cuda-oom", "docs/runbooks/cuda-oom.md")]
     assert "Tried to allocate" in st.findings[0]["line"]
@@ -192,17 +198,17 @@ def test_known_failure_in_the_last_log_lines_names_the_runbook():
 
 def test_a_metric_line_cut_mid_write_is_skipped():
     text = FINISHED.replace("end\n", 'metric {"kind": "train", "step": 31, "lo\nend\n')
-    st = parse_status(text)
+    st = parse_status(status_answer(text))
     assert st.step == 30
 
 
 def test_truncated_output_is_an_error_not_a_healthy_run():
     with pytest.raises(ValueError, match="incomplete"):
-        parse_status(RUNNING.replace("end\n", ""))
+        parse_status(status_answer(RUNNING.replace("end\n", "")))
 
 
 def test_pty_line_endings_are_tolerated():
-    assert parse_status(FINISHED.replace("\n", "\r\n")).state == "finished"
+    assert parse_status(status_answer(FINISHED.replace("\n", "\r\n"))).state == "finished"
 
 
 def test_describe_exit():
@@ -214,7 +220,7 @@ def test_describe_exit():
 def test_json_and_table_render_every_fact():
     from rich.console import Console
 
-    st = parse_status(FINISHED.replace("end\n", GPUS + "end\n"))
+    st = parse_status(status_answer(FINISHED.replace("end\n", GPUS + "end\n")))
     data = json.loads(st.to_json())
     assert data["state"] == "finished" and data["step"] == 30 and data["gpus"][0]["memory_used_mib"] == 70211
     assert set(data) == set(RunStatus.__dataclass_fields__)
@@ -223,3 +229,20 @@ def test_json_and_table_render_every_fact():
     text = console.export_text()
     for expected in ("finished", "4.778", "1.130", "4,906", "70211", "143771", "pve1/200: run t1"):
         assert expected in text
+
+
+def test_data_warnings_from_training_are_shown():
+    from rich.console import Console
+
+    warning = ("acceptance in training metrics is teacher-forced on data not produced by this target "
+               "(train.jsonl: no provenance record, not from `invoke regenerate`)")
+    data = json.dumps({"target_answers": False, "warnings": [warning, "\x1b[31m[bold]x", 5],
+                       "heldout_overlap": {"in_train": 0, "heldout": 200}})
+    st = parse_status(status_answer(FINISHED.replace("end\n", f"datajson {data}\nend\n")))
+    assert st.data_warnings == [warning, "\x1b[31m[bold]x"]
+    console = Console(record=True, width=400)
+    render(st, "pve1/200", console)
+    text = console.export_text()
+    assert "data warning" in text and warning in text and "teacher-forced acceptance" in text
+    assert "\x1b" not in text and "^[[31m[bold]x" in text
+    assert parse_status(status_answer(FINISHED.replace("end\n", "datajson {cut\nend\n"))).data_warnings == []

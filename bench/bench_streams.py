@@ -1,0 +1,117 @@
+"""Big outputs are read in linear time: `invoke logs -n 50` on a 1 GiB train.log and `invoke metrics`
+on a 100 MB metrics.jsonl, on the embedded host, as time and peak memory (maxrss) of the invoke
+process, against bare OpenSSH reads of the same files measured in the same run.
+
+    .venv/bin/python bench/bench_streams.py [--log-mib 1024] [--metrics-mb 100] [--repeat 3]
+                                            [--checkout DIR]
+
+Run from the repository root, as root (the embedded host needs it). It brings up its own sandbox,
+writes the two files straight into container 200 (no deploy: both tasks read with the container's
+system python), and runs the real CLI from a frozen copy of this checkout (or from --checkout DIR, an
+older checkout to compare). Baselines: `ssh ... pct exec 200 -- tail -n 50 LOG` and `... tail -c
+16777216 METRICS` (the bytes the metrics task reads). Not a test: nothing here asserts a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from dflash_ops import deploy, sandbox  # noqa: E402
+
+CT = "200"
+RUN = "/root/runs/big"
+# One train.log line as training writes it, and one metrics record as big as a real one.
+LOG_LINE = ("12:00:00 INFO step 41/300 | loss 3.1416 | tau 1.43 | acc[1:5] 0.31 0.27 0.22 0.18 "
+            "| 2716 tok/s | lr 4.99e-03 | mem 0.56 GiB")
+MAKE_METRICS = (
+    "import json, sys\n"
+    "n, out = int(sys.argv[1]), open(sys.argv[2], 'w')\n"
+    "size = step = 0\n"
+    "while size < n:\n"
+    "    step += 1\n"
+    "    line = json.dumps({'kind': 'train', 'step': step, 'loss': 3.0 / step ** 0.1, 'slot_accuracy':\n"
+    "                       [0.3] * 15, 'acceptance_length': 1.4, 'worker_loss': [3.0] * 3,\n"
+    "                       'tokens_per_s': 2716.2, 'lr': 0.005, 'memory_gib': 0.56, 'time': 1.0}) + '\\n'\n"
+    "    out.write(line)\n"
+    "    size += len(line)\n")
+
+
+def measured(argv: list[str], cwd: Path | None = None) -> tuple[float, int, int]:
+    """(seconds, peak RSS in MiB of that process, bytes it printed)."""
+    with tempfile.TemporaryFile() as out:
+        start = time.perf_counter()
+        p = subprocess.Popen(argv, cwd=cwd, stdout=out, stderr=subprocess.PIPE)
+        _, status, usage = os.wait4(p.pid, 0)
+        elapsed = time.perf_counter() - start
+        err = p.stderr.read().decode(errors="replace")
+        p.stderr.close()
+        if os.waitstatus_to_exitcode(status) != 0:
+            raise SystemExit(f"bench: {' '.join(argv[:6])} ... failed: {err.strip()[-400:]}")
+        return elapsed, usage.ru_maxrss // 1024, out.seek(0, os.SEEK_END)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--log-mib", type=int, default=1024, help="size of train.log")
+    parser.add_argument("--metrics-mb", type=int, default=100, help="size of metrics.jsonl")
+    parser.add_argument("--repeat", type=int, default=3, help="timed repetitions (median shown)")
+    parser.add_argument("--checkout", help="run the CLI of this checkout instead of a copy of this one")
+    args = parser.parse_args()
+
+    state = tempfile.mkdtemp(prefix="dflash-bench-")
+    work = Path(tempfile.mkdtemp(prefix="dflash-bench-checkout-"))
+    box = sandbox.up(state, containers=(int(CT),), inventory_path=f"{state}/sandbox.yaml")
+    checkout = Path(args.checkout).resolve() if args.checkout else deploy.snapshot_checkout(work)
+    invoke = [str(REPO / ".venv" / "bin" / "python"), "-m", "invoke"]
+    try:
+        def in_container(*argv: str) -> None:
+            subprocess.run([str(box.pct), "exec", CT, "--", *argv], check=True, timeout=900)
+
+        in_container("mkdir", "-p", RUN)
+        in_container("sh", "-c", 'yes "$1" | head -c "$2" > "$3/train.log"; echo big > "$3/../.current"',
+                     "sh", LOG_LINE, str(args.log_mib << 20), RUN)
+        in_container("python3", "-c", MAKE_METRICS, str(args.metrics_mb * 1000 * 1000),
+                     f"{RUN}/metrics.jsonl")
+        print(f"setup: {RUN}/train.log {args.log_mib} MiB, metrics.jsonl {args.metrics_mb} MB; "
+              f"CLI from {checkout}", flush=True)
+
+        def cli(*task: str) -> list[str]:
+            return [*invoke, *task, "--inventory", str(box.inventory), "--ct", CT]
+
+        cases = {
+            f"logs -n 50 ({args.log_mib} MiB log)": (cli("logs", "--run", "big", "-n", "50"),
+                                                     box.ssh_argv(f"{box.pct} exec {CT} -- tail -n 50 "
+                                                                  f"{RUN}/train.log")),
+            f"metrics ({args.metrics_mb} MB metrics)": (cli("metrics", "--run", "big"),
+                                                        box.ssh_argv(f"{box.pct} exec {CT} -- tail "
+                                                                     f"-c 16777216 {RUN}/metrics.jsonl")),
+        }
+        print(f"\n{'case':<30} {'what':<12} {'median s':>9} {'x bare':>7} {'peak MiB':>9} {'stdout B':>10}")
+        for name, (task, bare) in cases.items():
+            runs = {"bare ssh": [], "invoke": []}
+            for _ in range(args.repeat):  # interleaved: the machine's load drifts
+                runs["bare ssh"].append(measured(bare))
+                runs["invoke"].append(measured(task, cwd=checkout))
+            base = statistics.median(r[0] for r in runs["bare ssh"])
+            for what, values in runs.items():
+                med = statistics.median(v[0] for v in values)
+                print(f"{name:<30} {what:<12} {med:>9.2f} {med / base:>7.1f} {max(v[1] for v in values):>9} "
+                      f"{values[-1][2]:>10}", flush=True)
+    finally:
+        sandbox.down(state, purge=True)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""`invoke runs` and `invoke prune`: every run in a container, and removing old ones, one round trip each.
+
+The work happens in the container (container_history.py, shipped per call through facts.script_line);
+here: the flags' validation, the request, and the tables. Names and paths in the answer come from
+the container and are shown through terminal.markup (the rich table) or terminal.visible (plain lines).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import facts, jobs
+from .errors import RemoteCommandFailed, UsageError
+from .facts import human_bytes
+from .terminal import markup, visible
+
+CONTAINER_HISTORY = Path(__file__).with_name("container_history.py").read_text(encoding="utf-8")
+AGE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
+UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_age(text: str | None) -> int | None:
+    """`7d`, `12h`, `30m`, `2w`, `90s` -> seconds; None stays None."""
+    if text is None:
+        return None
+    m = AGE.match(str(text))
+    if not m:
+        raise UsageError(f"--older-than {str(text)[:40]!r}: expected an age such as 7d, 12h, 30m or 2w")
+    return int(float(m.group(1)) * UNITS[m.group(2)])
+
+
+def check_keep(keep) -> int:
+    if not isinstance(keep, int) or keep < 1:
+        raise UsageError(f"--keep {keep}: keep at least 1 run (the newest); the alive run is always kept")
+    return keep
+
+
+def payload(ct, **extra) -> dict:
+    return {"runs": ct.paths.runs, "lock": jobs.lock_path(ct), "current": f"{ct.paths.runs}/{jobs.CURRENT}",
+            **extra}
+
+
+def _ask(t, verb: str, args: dict) -> dict | None:
+    ct = t.container
+    result = t.session.run_in(ct, facts.script_line(ct, CONTAINER_HISTORY, verb, args))
+    if t.dry_run:
+        return None
+    answer = facts.parse_json_line(result.stdout, verb)
+    if not isinstance(answer.get("runs"), list):
+        raise RemoteCommandFailed(f"{ct.label}: {verb}: no run list in the container's answer")
+    return answer
+
+
+def list_runs(t, stall_after: float = 600) -> dict | None:
+    """{"now", "alive", "runs": [record, newest first]} (see container_history.run_record)."""
+    return _ask(t, "list", payload(t.container, stall_after=stall_after))
+
+
+def prune(t, keep: int, older_than: str | None = None, act: bool = False) -> dict | None:
+    """The plan (and with act, what was removed) for `--keep N [--older-than AGE]`."""
+    args = payload(t.container, keep=check_keep(keep), older_than=parse_age(older_than), act=bool(act))
+    return _ask(t, "prune", args)
+
+
+def _when(epoch) -> str:
+    return "-" if not epoch else time.strftime("%m-%d %H:%M", time.gmtime(epoch))
+
+
+def _duration(seconds) -> str:
+    if seconds is None:
+        return "-"
+    h, rem = divmod(int(seconds), 3600)
+    return f"{h}h{rem // 60:02d}m" if h else f"{rem // 60}m{rem % 60:02d}s"
+
+
+def _num(value, spec) -> str:
+    return format(value, spec) if isinstance(value, (int, float)) and not isinstance(value, bool) else "-"
+
+
+@dataclass
+class Row:
+    cells: tuple
+
+    @staticmethod
+    def of(r: dict) -> Row:
+        state = r.get("state", "?") + (" (alive)" if r.get("alive") else "")
+        return Row((markup(str(r.get("name"))), state, _num(r.get("step"), "d"), _num(r.get("loss"), ".4f"),
+                    _num(r.get("acceptance_length"), ".2f"), _when(r.get("started")),
+                    _duration(r.get("duration_s")),
+                    human_bytes(r.get("bytes")), markup(str(r.get("latest_checkpoint") or "-"))))
+
+
+COLUMNS = ("run", "state", "steps", "loss", "tau", "started UTC", "took", "size", "latest")
+
+
+def table(answer: dict, label: str):
+    from rich.table import Table
+
+    out = Table(title=f"{label}: {len(answer['runs'])} runs, "
+                      f"{human_bytes(sum(r.get('bytes') or 0 for r in answer['runs']))}")
+    for name in COLUMNS:
+        out.add_column(name, justify="right" if name in ("steps", "loss", "tau", "size") else "left",
+                       no_wrap=name != "run", min_width=8 if name == "run" else None)
+    for r in answer["runs"]:
+        out.add_row(*Row.of(r).cells)
+    return out
+
+
+def describe_prune(answer: dict, label: str, acted: bool) -> str:
+    plan = answer.get("plan") or []
+    total = sum(item.get("bytes") or 0 for item in plan)
+    lines = [f"  {item['what']:<10} {human_bytes(item.get('bytes')):>10}  {visible(item['path'])}  "
+             f"({item['why']})"
+             for item in plan]
+    if answer.get("alive"):
+        lines.append(f"  kept       alive run {visible(answer['alive'])} (never touched)")
+    if not plan:
+        return "\n".join([f"{label}: nothing to prune", *lines])
+    if not acted:
+        return "\n".join([f"{label}: would remove {len(plan)} item(s):", *lines,
+                          f"would free {human_bytes(total)} ({total} bytes); run again with --yes to "
+                          "remove them"])
+    removed = set(answer.get("removed") or [])
+    freed = sum(item.get("bytes") or 0 for item in plan if item["path"] in removed)
+    missed = [visible(item["path"]) for item in plan if item["path"] not in removed]
+    tail = [f"not removed (changed meanwhile or not removable): {', '.join(missed)}"] if missed else []
+    return "\n".join([f"{label}: removed {len(removed)} item(s):", *lines, *tail,
+                      f"freed {human_bytes(freed)} ({freed} bytes)"])

@@ -1,0 +1,284 @@
+"""Chat datasets as people export them -> rows of turns `[{"role", "content"}]`.
+
+Row formats, detected per file from its first readable row and reported:
+- `dflash` (ours): `{"id", "conversations": [{"role", "content"}]}`
+- `sharegpt`: `{"conversations": [{"from": "human"|"gpt"|"system", "value"}]}`
+- `openai`: `{"messages": [{"role": "system"|"user"|"assistant", "content"}]}` (content may be
+  a list of `{"type": "text", "text"}` parts)
+Files: `.jsonl`, `.jsonl.gz`, `.json` (an array of rows), `.parquet` (needs pyarrow), or a
+directory of such shards (read in name order). System prompts and multi-turn conversations keep
+their turns. A malformed row (not JSON, unknown role, no assistant turn, over MAX_ROW_BYTES) is
+counted and skipped; its number and reason are kept for the report, and more than
+`max_bad_fraction` of bad rows is one DataError. Stdlib only (pyarrow only for Parquet), so the
+preflight reads data without torch.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import zlib
+from dataclasses import dataclass, field
+
+ROLE_NAMES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+              "chatgpt": "assistant", "model": "assistant", "system": "system"}
+SUFFIXES = {".jsonl": "jsonl", ".jsonl.gz": "jsonl.gz", ".json": "json", ".parquet": "parquet"}
+MAX_ROW_BYTES = 1 << 20  # far beyond any max_length; a bigger row is a broken export
+SHOWN_BAD_ROWS = 3
+
+
+class DataError(ValueError):
+    """Unreadable or unusable data; the message is one line."""
+
+
+class BadRow(ValueError):
+    """One row that cannot be used (the reason is the message)."""
+
+
+@dataclass
+class Row:
+    id: str
+    turns: list[dict]
+
+
+@dataclass
+class FileReport:
+    path: str
+    container: str
+    format: str = "?"
+    rows: int = 0
+    bad: list[tuple[int, str]] = field(default_factory=list)  # (row number, reason)
+
+    def describe(self) -> str:
+        line = f"{self.path}: {self.format} rows in {self.container}, {self.rows} read"
+        if self.bad:
+            shown = "; ".join(f"row {n}: {why}" for n, why in self.bad[:SHOWN_BAD_ROWS])
+            line += f", {len(self.bad)} skipped ({shown}{'; ...' if len(self.bad) > SHOWN_BAD_ROWS else ''})"
+        return line
+
+
+# ----------------------------------------------------------------------------- files
+
+def container_of(path: str) -> str:
+    for suffix, name in sorted(SUFFIXES.items(), key=lambda item: -len(item[0])):
+        if path.endswith(suffix):
+            return name
+    raise DataError(f"{path}: unknown file type (expected {', '.join(SUFFIXES)} or a directory "
+                    f"of them)")
+
+
+def data_files(path: str) -> list[str]:
+    """The file itself, or a directory's shards (known suffixes, name order)."""
+    if os.path.isdir(path):
+        shards = sorted(os.path.join(path, name) for name in os.listdir(path)
+                        if not name.startswith(".") and any(name.endswith(s) for s in SUFFIXES))
+        if not shards:
+            raise DataError(f"{path}: a directory without data shards ({', '.join(SUFFIXES)})")
+        return shards
+    if not os.path.exists(path):
+        raise DataError(f"data file not found: {path}")
+    container_of(path)
+    if not os.access(path, os.R_OK):
+        raise DataError(f"{path}: not readable (permissions)")
+    if os.path.getsize(path) == 0:
+        raise DataError(f"{path}: empty file")
+    return [path]
+
+
+def _jsonl_lines(stream, path: str):
+    """(row number, bytes) per non-blank line; a line over the limit is not read into memory."""
+    number = 0
+    while True:
+        line = stream.readline(MAX_ROW_BYTES + 1)
+        if not line:
+            return
+        number += 1
+        if len(line) > MAX_ROW_BYTES and not line.endswith(b"\n"):
+            size = len(line)
+            while line and not line.endswith(b"\n"):  # skip the rest of the oversized line
+                line = stream.readline(MAX_ROW_BYTES)
+                size += len(line)
+            yield number, BadRow(f"row is {size / 1e6:.1f} MB, over the "
+                                 f"{MAX_ROW_BYTES >> 20} MB row limit")
+        elif line.strip():
+            yield number, line
+
+
+def _records(path: str, container: str):
+    """(row number, dict | BadRow) for every row of one file."""
+    if container == "parquet":
+        yield from _parquet_records(path)
+        return
+    if container == "json":
+        try:
+            with open(path, "rb") as f:
+                rows = json.loads(f.read())
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise DataError(f"{path}: not a JSON file ({_first_line(exc)})") from None
+        if not isinstance(rows, list):
+            raise DataError(f"{path}: a .json dataset must be an array of rows, not "
+                            f"{type(rows).__name__}")
+        for number, row in enumerate(rows, 1):
+            too_big = len(json.dumps(row)) > MAX_ROW_BYTES
+            yield number, BadRow(f"row over the {MAX_ROW_BYTES >> 20} MB row limit") if too_big else row
+        return
+    opener = gzip.open if container == "jsonl.gz" else open
+    try:
+        with opener(path, "rb") as f:
+            for number, line in _jsonl_lines(f, path):
+                if isinstance(line, BadRow):
+                    yield number, line
+                    continue
+                try:
+                    yield number, json.loads(line)
+                except (ValueError, UnicodeDecodeError) as exc:
+                    yield number, BadRow(f"not JSON ({_first_line(exc)[:60]})")
+    except (OSError, EOFError, zlib.error) as exc:
+        raise DataError(f"{path}: cannot read {container} ({_first_line(exc)})") from None
+
+
+def _parquet_records(path: str):
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{path}: reading Parquet needs the pyarrow package "
+                        f"(pip install pyarrow in the training venv)") from None
+    try:
+        handle = pq.ParquetFile(path)
+        columns = handle.schema_arrow.names
+        if not {"conversations", "messages"} & set(columns):
+            raise DataError(f"{path}: Parquet columns {columns}: a chat dataset needs a "
+                            f"'conversations' or 'messages' column")
+        number = 0
+        for batch in handle.iter_batches(batch_size=1024):
+            for row in batch.to_pylist():
+                number += 1
+                yield number, row
+    except DataError:
+        raise
+    except Exception as exc:  # pyarrow's ArrowInvalid/ArrowIOError and friends
+        raise DataError(f"{path}: not a readable Parquet file ({_first_line(exc)})") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+# ----------------------------------------------------------------------------- rows
+
+def detect_format(record) -> str | None:
+    if not isinstance(record, dict):
+        return None
+    if isinstance(record.get("messages"), list):
+        return "openai"
+    turns = record.get("conversations")
+    if isinstance(turns, list) and turns and isinstance(turns[0], dict):
+        return "sharegpt" if "from" in turns[0] else "dflash"
+    return None
+
+
+def _text(content) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # OpenAI content parts: keep the text ones
+        parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        if parts and all(isinstance(p, str) for p in parts):
+            return "".join(parts)
+    raise BadRow(f"content is {type(content).__name__}, not text")
+
+
+def turns_of(record, fmt: str) -> list[dict]:
+    """One row in format `fmt` -> [{"role": system|user|assistant, "content": str}]."""
+    if not isinstance(record, dict):
+        raise BadRow(f"a {type(record).__name__}, not an object")
+    key, role_key, content_key = (("messages", "role", "content") if fmt == "openai" else
+                                  ("conversations", "from", "value") if fmt == "sharegpt" else
+                                  ("conversations", "role", "content"))
+    raw = record.get(key)
+    if not isinstance(raw, list) or not raw:
+        raise BadRow(f"no '{key}' list ({fmt} file)")
+    turns = []
+    for index, turn in enumerate(raw, 1):
+        if not isinstance(turn, dict):
+            raise BadRow(f"turn {index} is not an object")
+        if role_key not in turn or content_key not in turn:
+            raise BadRow(f"turn {index}: no '{role_key}' and '{content_key}' ({fmt} rows)")
+        role = ROLE_NAMES.get(turn[role_key])
+        if role is None:
+            raise BadRow(f"turn {index}: unknown {role_key} {str(turn.get(role_key))[:20]!r}")
+        try:
+            content = _text(turn.get(content_key))
+        except BadRow as exc:
+            raise BadRow(f"turn {index}: {exc}") from None
+        turns.append({"role": role, "content": content})
+    if not any(t["role"] == "assistant" for t in turns):
+        raise BadRow("no assistant turn")
+    return turns
+
+
+def read_file(path: str, limit: int | None = None) -> tuple[list[Row], FileReport]:
+    container = container_of(path)
+    report = FileReport(path, container)
+    rows, fmt = [], None
+    stem = os.path.basename(path).split(".")[0]
+    for number, record in _records(path, container):
+        if limit is not None and len(rows) >= limit:
+            break
+        try:
+            if isinstance(record, BadRow):
+                raise record
+            fmt = fmt or detect_format(record)
+            if fmt is None:
+                raise BadRow("not a chat row (no 'conversations' or 'messages' list)")
+            turns = turns_of(record, fmt)
+        except BadRow as exc:
+            report.bad.append((number, str(exc)))
+            continue
+        row_id = record.get("id")
+        rows.append(Row(str(row_id) if row_id is not None else f"{stem}-{number}", turns))
+    report.format, report.rows = fmt or "?", len(rows) + len(report.bad)
+    return rows, report
+
+
+def read_dataset(path: str, max_bad_fraction: float = 0.05, limit: int | None = None,
+                 log=None) -> list[Row]:
+    """Every usable row of a file or a directory of shards; one report line per file to `log`.
+
+    More than max_bad_fraction of the rows unusable (or none usable) is a DataError."""
+    rows, reports = [], []
+    for shard in data_files(path):
+        found, report = read_file(shard, None if limit is None else limit - len(rows))
+        rows += found
+        reports.append(report)
+        if log:
+            log(report.describe())
+        if limit is not None and len(rows) >= limit:
+            break
+    total = sum(r.rows for r in reports)
+    bad = [(r.path, n, why) for r in reports for n, why in r.bad]
+    if not rows or len(bad) > max_bad_fraction * total:
+        first = "; ".join(f"{os.path.basename(p)} row {n}: {why}" for p, n, why in bad[:SHOWN_BAD_ROWS])
+        raise DataError(f"{path}: {len(bad)} of {total} rows unusable, over the "
+                        f"{max_bad_fraction:.0%} limit (data.max_bad_fraction) ({first or 'no rows'})")
+    return rows
+
+
+# ----------------------------------------------------------------------------- prompts
+
+def prompt_key(turns: list[dict]) -> str:
+    """A hash of the prompt (the turns before the first assistant turn), case and spacing
+    normalised: the same question asked twice is the same key."""
+    prompt = []
+    for turn in turns:
+        if turn["role"] == "assistant":
+            break
+        prompt.append(f"{turn['role']}:{' '.join(turn['content'].lower().split())}")
+    return hashlib.sha256("\n".join(prompt).encode()).hexdigest()[:24]
+
+
+def prompt_overlap(train: list[Row], heldout: list[Row]) -> tuple[int, int]:
+    """(held-out rows whose prompt also appears in train, held-out rows)."""
+    seen = {prompt_key(r.turns) for r in train}
+    return sum(prompt_key(r.turns) in seen for r in heldout), len(heldout)

@@ -1,0 +1,96 @@
+"""`invoke train` tells the truth, against the embedded host: the preflight refuses in one line before
+anything exists, the launch waits for the first step, a run dying in that window is `crashed`, and
+Ctrl-C ends the wait only."""
+
+import signal
+import subprocess
+
+import pytest
+from training_runs import CT, LONG, QUICK, deployed  # noqa: F401 (deployed: the module's container)
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(autouse=True)
+def no_run_left(deployed):
+    yield
+    deployed.stop_any()
+
+
+def run_exists(deployed, run):
+    return deployed.container("test", "-e", f"/root/runs/{run}", check=False).returncode == 0
+
+
+def test_a_healthy_launch_returns_after_its_first_step_with_the_line_shown(deployed):
+    r = deployed.invoke("train", "--run", "healthy", *QUICK, *LONG)
+    lines = r.stdout.splitlines()
+    step = next(i for i, line in enumerate(lines) if " INFO step 1/" in line)
+    started = next(i for i, line in enumerate(lines)
+                   if line.startswith(f"run healthy started on pve1/{CT}: pid "))
+    assert step < started, r.stdout
+    assert deployed.status("healthy")["state"] == "running"
+
+
+def test_ctrl_c_during_the_wait_ends_the_wait_and_the_run_goes_on(deployed):
+    p = deployed.popen("train", "--run", "patient", *QUICK, *LONG)
+    while "dflash-ops: launch " not in (line := p.stdout.readline()):
+        assert line, "train ended before showing the launch's log"
+    p.send_signal(signal.SIGINT)  # Ctrl-C: the first step is seconds away (torch is still importing)
+    out = p.communicate(timeout=120)[0]
+    assert p.returncode == 0, out
+    assert f"stopped waiting; run patient goes on on pve1/{CT}" in out
+    assert deployed.status("patient")["state"] == "running"
+    assert [p for p in deployed.processes() if "train_dflash" in p]
+
+
+def test_a_run_that_dies_in_the_window_is_crashed_with_its_last_error_line(deployed):
+    # Only the payload judges this one (it needs torch's flex attention on the drafter's device).
+    r = deployed.invoke("train", "--run", "doomed", *QUICK, "--set", "model.attention=flex", check=False)
+    assert r.returncode == 5, r
+    assert r.stderr.count("\n") == 1, r.stderr  # one line
+    assert r.stderr.startswith(f"error: run doomed on pve1/{CT} crashed (exit 2): train_dflash: error: "
+                               "model.attention=flex on a cpu drafter"), r.stderr
+    assert "started on" not in r.stdout
+    st = deployed.status("doomed")
+    assert (st["state"], st["exit_code"]) == ("crashed", "2")
+    assert st["last_error"].startswith("train_dflash: error: model.attention=flex on a cpu drafter")
+    table = deployed.invoke("status", "--run", "doomed").stdout  # 80 columns: the line wraps in its cell
+    assert "last error" in table and "train_dflash: error:" in table
+
+
+def test_a_finished_run_is_refused_without_more_steps_and_resumes_with_them(deployed):
+    deployed.train("done", *QUICK, "--max-steps", "2")
+    deployed.wait_for("run done to finish", lambda: deployed.status("done")["state"] == "finished")
+    again = deployed.invoke("train", "--run", "done", *QUICK, "--max-steps", "2", check=False)
+    assert again.returncode == 6, again
+    assert again.stderr.strip() == (f"error: pve1/{CT}: run done finished at step 2/2: give --max-steps N to "
+                                    f"continue, or a new --run name")
+    assert deployed.run_file("done", "exit_code").strip() == "0"  # nothing was launched over it
+    deployed.train("done", *QUICK, "--max-steps", "3")
+    deployed.wait_for("run done to reach step 3",
+                      lambda: (s := deployed.status("done"))["state"] == "finished"
+                      and s["step"] == 3)
+
+
+def test_warmup_then_train_never_launches_after_a_failed_warm_up(deployed):
+    r = deployed.invoke("warmup", "--set", "model.attention=flex", "train", "--run", "after-warmup", *QUICK,
+                        check=False, timeout=300)
+    assert r.returncode == 5 and "warm-up failed" in r.stderr, r
+    assert not run_exists(deployed, "after-warmup")
+
+
+def test_dev_shm_emptied_by_a_restart_is_refused_in_one_line_before_anything_exists(deployed):
+    for verb in ("stop", "start"):  # as on a real LXC container, a restart empties /dev/shm
+        subprocess.run([str(deployed.sandbox.pct), verb, CT], check=True, timeout=60)
+    try:
+        r = deployed.invoke("train", "--run", "no-target", *QUICK, check=False)
+        assert r.returncode == 12, r
+        line = r.stderr.strip()
+        assert "\n" not in line
+        assert line.startswith(f"error: pve1/{CT}: preflight target: target checkpoint directory not found: "
+                               "/dev/shm/"), line
+        assert "run `invoke deploy`" in line and "nothing was launched" in line
+        assert not run_exists(deployed, "no-target")
+        assert not [p for p in deployed.processes() if "train_dflash" in p]
+    finally:
+        deployed.invoke("deploy", timeout=600)  # recreates the tiny target

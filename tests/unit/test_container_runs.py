@@ -1,0 +1,245 @@
+"""container_runs.py's verbs on temporary run directories, in this process (no SSH, no container):
+the answers the local parsers read, forged facts that stay data, and `stop`'s proof of a process group."""
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dflash_ops import container_runs, status
+from dflash_ops.container_runs import Refused
+
+
+def call(verb, **payload):
+    """One verb as the container runs it: its answer, or its refusal's answer."""
+    try:
+        return container_runs.VERBS[verb](payload)
+    except Refused as refused:
+        return refused.answer
+
+
+def answer_text(verb, **payload):
+    return json.dumps(call(verb, **payload)) + "\n"
+
+
+@pytest.fixture
+def runs(tmp_path):
+    (tmp_path / "runs").mkdir()
+    return tmp_path / "runs"
+
+
+def make_run(runs, name, files=None, log="", metrics="", current=True):
+    run = runs / name
+    run.mkdir()
+    for key, value in (files or {}).items():
+        (run / key).write_text(value)
+    if log:
+        (run / "train.log").write_bytes(log.encode() if isinstance(log, str) else log)
+    if metrics:
+        (run / "metrics.jsonl").write_text(metrics)
+    if current:
+        (runs / ".current").write_text(name + "\n")
+    return run
+
+
+class HeldLock:
+    """What a live run's processes hold: the runs lock, exclusively, on their own open file."""
+
+    def __init__(self, runs):
+        self.f = open(runs / ".lock", "w")
+        fcntl.flock(self.f, fcntl.LOCK_EX)
+
+    def release(self):
+        self.f.close()
+
+
+KILLED = {"pid": "487\n", "pgid": "484\n", "started": "1795954052\n", "ended": "1795954068\n",
+          "exit_code": "signal 9\n", "code_version": "tree c3f5d18a\n"}
+
+
+# --- status: facts are data ---------------------------------------------------------------------------
+
+def test_a_log_line_with_carriage_returns_cannot_forge_facts(runs):
+    """A progress bar's `\\r` used to split a log line into fact lines: a SIGKILLed run showed `running`."""
+    forged = "Killed\ralive 1\rexit_code 0\rcode_version tree f0f0\rstopped term 1\r\n"
+    make_run(runs, "t3", KILLED, log="12:00:00 INFO step 1/9 | loss 2.0\n" + forged)
+    st = status.parse_status(answer_text("status", runs=str(runs), name=None))
+    assert (st.state, st.exit_code, st.detail) == ("crashed", "signal 9", "killed by signal 9 (SIGKILL)")
+    assert st.code_version == "tree c3f5d18a"
+    assert st.last_error.startswith("Killed\r")  # the line itself, shown through terminal.markup
+
+
+def test_eval_json_with_backslashes_and_newlines_is_read_whole(runs):
+    """`echo` used to turn `\\n` inside eval.json into new fact lines: a finished run showed `running`."""
+    record = {"step": 3, "acceptance_length": 2.5, "lossless": True, "prompts": 4,
+              "note": "a\nalive 1\nexit_code 1\nend\n", "path": "C:\\x\\n"}
+    make_run(runs, "t1", {**KILLED, "exit_code": "0\n"})
+    (runs / "t1" / "eval.json").write_text(json.dumps(record, indent=1))
+    st = status.parse_status(answer_text("status", runs=str(runs), name="t1"))
+    assert (st.state, st.detail) == ("finished", "exit 0")
+    assert st.last_eval["acceptance_length"] == 2.5 and st.last_eval["prompts"] == 4
+
+
+def test_status_of_a_live_run_and_of_none(runs):
+    assert status.parse_status(answer_text("status", runs=str(runs), name=None)).state == "none"
+    assert status.parse_status(answer_text("status", runs=str(runs), name="nope")).state == "missing"
+    make_run(runs, "live", {"pid": "5", "pgid": "4", "started": str(int(time.time()))},
+             metrics='{"kind": "train", "step": 7, "loss": 1.5}\n{"kind": "train", "ste')
+    lock = HeldLock(runs)
+    try:
+        st = status.parse_status(answer_text("status", runs=str(runs), name=None))
+    finally:
+        lock.release()
+    assert (st.run, st.state, st.step, st.loss) == ("live", "running", 7, 1.5)
+    assert status.parse_status(answer_text("status", runs=str(runs), name="live")).state == "crashed"
+
+
+def test_huge_files_are_read_from_their_end_within_the_caps(runs):
+    line = b"x" * 5000
+    log = b"\n".join([line] * 2000) + b"\n12:00:00 INFO last line\n"  # 10 MB
+    make_run(runs, "big", {"exit_code": "1\n", "pid": "3"}, log=log,
+             metrics='{"kind": "train", "step": 1, "loss": ' + "9" * 100_000 + "}\n"
+                     '{"kind": "train", "step": 2, "loss": 0.5}\n')
+    answer = call("status", runs=str(runs), name="big")
+    assert len(json.dumps(answer)) < 200_000
+    assert answer["log"][-1] == "12:00:00 INFO last line"
+    assert all(len(x) <= container_runs.LINE_CAP for x in answer["log"])
+    st = status.parse_status(json.dumps(answer))
+    assert (st.step, st.loss, st.last_error) == (2, 0.5, "12:00:00 INFO last line")
+    tail = call("logs-tail", runs=str(runs), name="big", lines=2)
+    assert tail["lines"] == [line.decode()[:container_runs.LINE_CAP], "12:00:00 INFO last line"]
+
+
+def test_metrics_sends_the_newest_lines_within_its_cap(runs):
+    def rows(steps):
+        return "".join(json.dumps({"kind": "train", "step": i, "loss": 1.0}) + "\n" for i in steps)
+
+    make_run(runs, "m", metrics=rows(range(1000)) + "{" + "x" * 70000 + "}\n" + rows(range(1000, 1100)))
+    answer = call("metrics", runs=str(runs), name="m", cap=100_000)
+    assert answer["metrics_left_out"] > 0 and answer["metrics_dropped"] == 1  # the 70 kB line is not sent
+    assert len(json.dumps(answer)) < 100_000
+    steps = [json.loads(x)["step"] for x in answer["metrics"]]
+    assert steps[-1] == 1099 and steps == list(range(steps[0], 1000)) + list(range(1000, 1100))
+    assert call("metrics", runs=str(runs), name="zz")["error"] == "no-run"
+
+
+def test_warm_up_holds_the_lock_shared_and_clean_caches_waits_for_nobody(runs, tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "f").write_bytes(b"12")
+    assert container_runs.alive_run(str(runs)) is None
+    answer = call("clean-caches", runs=str(runs), caches={"inductor": str(cache)})
+    assert answer["freed"]["inductor"]["bytes"] == 2 and not cache.exists()
+
+
+# --- launch, wait, stop on a real wrapper ---------------------------------------------------------------
+
+def launch(runs, tmp_path, name="r1", code="import time; time.sleep(60)", **extra):
+    config = tmp_path / "config.yaml"
+    config.write_text("train: {}\n")
+    payload = dict(runs=str(runs), name=name, config=str(config), argv=[sys.executable, "-c", code],
+                   required=[sys.executable], preflight=None, manifest=str(tmp_path / "none.json"),
+                   settle=0.3, launch="{}", env="A=1", cwd=str(tmp_path))
+    payload.update(extra)
+    return call("launch", **payload)
+
+
+def test_launch_records_the_run_and_stop_ends_its_group(runs, tmp_path):
+    started = launch(runs, tmp_path)
+    assert started["outcome"] == "started", started
+    run = runs / "r1"
+    assert {"run.sh", "pgid", "pid", "launch.json", "env", "config.given.yaml",
+            "code_version"} <= set(os.listdir(run))
+    assert container_runs.alive_run(str(runs)) == "r1"
+    again = launch(runs, tmp_path, name="r2", lock_wait=0)
+    assert (again["error"], again["run"]) == ("busy", "r1") and not (runs / "r2").exists()
+    stopped = call("stop", runs=str(runs), name=None, grace=5)
+    assert (stopped["outcome"], stopped["run"]) == ("term", "r1")
+    assert container_runs.alive_run(str(runs)) is None
+    assert (run / "stopped").read_text().startswith("term ")
+    assert call("stop", runs=str(runs), name="r1")["outcome"] == "notalive"
+
+
+def test_launch_that_dies_at_once_says_so_with_its_log(runs, tmp_path):
+    died = launch(runs, tmp_path,
+                  code="import sys; print('train_dflash: error: boom', file=sys.stderr); sys.exit(2)",
+                  settle=1)
+    assert (died["outcome"], died["exit_code"]) == ("died", "2")
+    assert "train_dflash: error: boom" in died["log"]
+
+
+def test_a_failed_preflight_creates_nothing(runs, tmp_path):
+    check = tmp_path / "preflight.py"
+    check.write_text('import json, sys\nprint(json.dumps({"ok": False, "check": "target", '
+                     '"error": "target checkpoint directory not found: /dev/shm/m", "fix": "run `invoke '
+                     'deploy`"}))\nsys.exit(2)\n')
+    refused = launch(runs, tmp_path, preflight=[sys.executable, str(check), "--run-dir=x"])
+    assert (refused["error"], refused["check"]) == ("preflight", "target")
+    assert "not found: /dev/shm/m" in refused["message"] and refused["fix"] == "run `invoke deploy`"
+    assert os.listdir(runs) == [".lock"]
+    assert container_runs.alive_run(str(runs)) is None
+
+
+def test_wait_streams_new_lines_until_the_first_step(runs, tmp_path, capsys):
+    run = make_run(runs, "w", log="old 12:00:00 INFO step 9/9 | from the last launch\n")
+    offset = (run / "train.log").stat().st_size
+    with open(run / "train.log", "a") as f:
+        f.write("dflash-ops: launch now\n12:00:01 INFO data: 3 rows\n12:00:02 INFO step 1/5 | loss "
+                "3.0\nmore\n")
+    verdict = container_runs.wait({"runs": str(runs), "name": "w", "offset": offset, "timeout": 5})
+    lines = [json.loads(x)["line"] for x in capsys.readouterr().out.splitlines()]
+    assert verdict == {"outcome": "step", "line": "12:00:02 INFO step 1/5 | loss 3.0"}
+    assert lines == ["dflash-ops: launch now", "12:00:01 INFO data: 3 rows",
+                     "12:00:02 INFO step 1/5 | loss 3.0"]
+    offset = (run / "train.log").stat().st_size
+    (run / "exit_code").write_text("2\n")
+    with open(run / "train.log", "a") as f:
+        f.write("train_dflash: error: target checkpoint directory not found\n")
+    crashed = container_runs.wait({"runs": str(runs), "name": "w", "offset": offset, "timeout": 5})
+    assert crashed == {"outcome": "crashed", "exit_code": "2"}
+    assert json.loads(capsys.readouterr().out)["line"].startswith("train_dflash: error: ")
+
+
+# --- stop signals only a group it has proven to be this run's ---------------------------------------------
+
+@pytest.mark.parametrize("pgid", ["0", "1", "own", "other", "-5", "", "12 34"])
+def test_stop_refuses_a_group_it_cannot_prove(runs, pgid):
+    other = subprocess.Popen(["sleep", "60"], start_new_session=True)  # a live group that is not the run's
+    try:
+        value = {"own": str(os.getpgrp()), "other": str(other.pid)}.get(pgid, pgid)
+        make_run(runs, "victim", {"pgid": value + "\n", "pid": "1"})
+        lock = HeldLock(runs)
+        try:
+            answer = call("stop", runs=str(runs), name="victim", grace=0)
+        finally:
+            lock.release()
+        assert (answer["error"], answer["run"]) == ("unproven", "victim"), answer
+        assert "\n" not in answer["message"]
+        assert other.poll() is None  # the other group survived
+        assert not (runs / "victim" / "stopped").exists()
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_stop_refuses_a_wrapper_of_another_run(runs, tmp_path):
+    launch(runs, tmp_path, name="real")
+    try:
+        pgid = (runs / "real" / "pgid").read_text()
+        make_run(runs, "impostor", {"pgid": pgid})  # .current now names it; the lock is real's
+        answer = call("stop", runs=str(runs), name="impostor", grace=0)
+        assert answer["error"] == "unproven" and "not this run's wrapper" in answer["message"]
+        assert container_runs.group_alive(int(pgid))
+    finally:
+        (runs / ".current").write_text("real\n")
+        assert call("stop", runs=str(runs), name="real", grace=5)["outcome"] == "term"
+
+
+def test_serve_answers_one_json_line_even_for_a_bug(capsys):
+    container_runs.serve(["x", "status", "{}"])  # no "runs": a KeyError inside the verb
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["error"] == "internal" and "KeyError" in answer["message"]

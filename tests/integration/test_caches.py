@@ -1,5 +1,6 @@
 """invoke clean-cache against the embedded host: frees, reports, refuses while a run holds the runs lock."""
 
+import shlex
 import time
 
 import pytest
@@ -76,4 +77,7 @@ def test_dry_run_prints_one_line(box):
     r = box.invoke("clean-cache", "--dry-run")
     assert r.returncode == 0
     (line,) = r.stdout.splitlines()
-    assert line.startswith(f"{box.sandbox.pct} exec 200 -- env -i -- ") and " clean-caches " in line
+    argv = shlex.split(line)
+    assert argv[:6] == ["env", "LC_ALL=C.UTF-8", str(box.sandbox.pct), "exec", "200", "--"]
+    inner = argv[argv.index("dflash-session") + 1:]  # under the session wrapper: the container's command
+    assert inner[:2] == ["env", "-i"] and "clean-caches" in inner, inner

@@ -1,5 +1,7 @@
 """invoke status against the embedded host: one round trip, stalled, crashed with the signal, the table."""
 
+import shlex
+
 import pytest
 from training_runs import LONG, deployed  # noqa: F401 (deployed: the module's container)
 
@@ -62,9 +64,13 @@ def test_dry_run_prints_the_one_line_and_connects_to_nothing(deployed, tmp_path)
     broken = tmp_path / "inv.yaml"  # the same inventory, but the host's port has nothing listening
     broken.write_text(open(deployed.inventory).read().replace(f"port: {deployed.sandbox.port}", "port: 9"))
     r = deployed.invoke("status", "--run", "victim", "--dry-run", inventory=str(broken))
-    lines = [line for line in r.stdout.splitlines() if line.startswith(str(deployed.sandbox.pct))]
-    assert len(lines) == 1 and lines[0].startswith(f"{deployed.sandbox.pct} exec 200 -- env -i -- ")
-    assert " status '{" in lines[0]  # container_runs.py's status verb (it was a `sh -c` fact script)
+    lines = [line for line in r.stdout.splitlines() if line.startswith("env LC_ALL=")]
+    assert len(lines) == 1, r.stdout
+    argv = shlex.split(lines[0])
+    assert argv[:6] == ["env", "LC_ALL=C.UTF-8", str(deployed.sandbox.pct), "exec", "200", "--"]
+    inner = argv[argv.index("dflash-session") + 1:]  # under the session wrapper: the container's command
+    assert inner[:3] == ["env", "-i", "--"] or inner[:2] == ["env", "-i"], inner
+    assert inner[-2] == "status" and inner[-1].startswith("{")  # container_runs.py's status verb
 
 
 def test_a_run_on_answers_not_from_its_target_is_flagged_in_status_and_refused_on_request(deployed):

@@ -83,16 +83,19 @@ def env_argv(env: Mapping[str, str] | None = None, cwd: str | None = None) -> li
 # failing pid: one `kill -SIG -PGID` each.)
 SESSION_SCRIPT = "; ".join([
     # The traps first: a signal that comes before the command has started ends it as it starts.
-    """trap 'i=130; kill -TERM "-$c" 2>/dev/null' INT""",
-    """trap 'h=1; kill -TERM "-$c" 2>/dev/null' HUP TERM""",
+    """trap 'i=130; t=1; kill -TERM "-$c" 2>/dev/null' INT""",
+    """trap 'h=1; t=1; kill -TERM "-$c" 2>/dev/null' HUP TERM""",
     'exec 3<&0 </dev/null',
     'setsid "$@" 3<&- & c=$!',
     """setsid sh -c 'cat >/dev/null; kill -TERM "-$1"; sleep 5; kill -KILL "-$1"' dflash-watch "$c" """
     '<&3 3<&- >/dev/null 2>&1 & w=$!',
     'exec 3<&-',
     '[ -z "$i$h" ] || kill -TERM "$c"',
-    'wait "$c"; s=$?',
-    'while kill -0 "$c" 2>/dev/null; do wait "$c"; s=$?; done',
+    # A trapped signal cuts `wait` short (status 128+signal) and leaves the job to wait for again: $t
+    # says a trap ran. A trap that ran just before `wait` started cut nothing short: that wait
+    # consumed the job, and the next one answers 127 (unknown pid), so the first status stands.
+    't=; wait "$c"; s=$?',
+    'while [ "$s" -gt 128 ] && [ -n "$t" ]; do t=; wait "$c"; r=$?; [ "$r" = 127 ] && break; s=$r; done',
     # The watcher by pid too: it may not have made its own group yet when a quick command ends.
     'kill -KILL "$w" 2>/dev/null; kill -KILL "-$w" 2>/dev/null; kill -KILL "-$c" 2>/dev/null',
     'exit "${i:-$s}"',

@@ -120,11 +120,16 @@ def test_a_real_shell_reads_back_exactly_what_was_built(args, value, cwd):
 # --- SESSION_SCRIPT through the real /bin/sh: the command ends with the session's stdin -------------
 
 def tied(script: str, stdin=subprocess.PIPE, env: dict | None = None) -> subprocess.Popen:
-    # SIGINT's default disposition even under a runner started without job control (ignored on
-    # entry, a shell could not trap it).
+    # The default dispositions sshd gives a session, even under a runner started without job control
+    # (SIGINT ignored) or under nohup (SIGHUP ignored): a signal ignored on entry, a shell cannot trap.
     return subprocess.Popen(["sh", "-c", commands.SESSION_SCRIPT, "dflash-session", "sh", "-c", script],
                             stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            env=env, preexec_fn=_default_signals)
+
+
+def _default_signals():
+    for signum in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_DFL)
 
 
 def watchers_marked(mark: str) -> list[int]:

@@ -92,5 +92,8 @@ def test_stop_signals_no_group_it_cannot_prove_is_the_runs(box, named):
         assert group_alive(box, holder) and group_alive(box, bystander), r.stderr
         assert box.sh(f"ls {RUNS}/victim").split() == ["pgid", "pid", "started"]  # no `stopped` recorded
     finally:
-        box.sh(f'kill -KILL -- "-$(cat {RUNS}/holder.pgid)" "-$(cat {RUNS}/bystander.pgid)" '
-               '2>/dev/null; true')
+        # One group per kill: dash's kill takes no `--` ("Illegal number: -") and stops at its first
+        # failing operand, which once left both groups running into the next test file's container.
+        box.sh(f'kill -KILL "-$(cat {RUNS}/holder.pgid)"; kill -KILL "-$(cat {RUNS}/bystander.pgid)"; true')
+        box.wait_for("the stand-in groups gone",
+                     lambda: not group_alive(box, holder) and not group_alive(box, bystander), timeout=60)

@@ -93,7 +93,9 @@ def main() -> None:
     try:
         first, out = b.invoke("deploy")
         print(f"setup: first deploy {first:.1f} s ({deploy.parse_describe(out)})", flush=True)
-        b.invoke("train", "--run", "bench", "--max-steps", "2", "--set", "data.heldout=null")
+        # A reused --state keeps the finished run; launching it again is refused (it reached max_steps).
+        if json.loads(b.invoke("status", "--run", "bench", "--json")[1]).get("state") != "finished":
+            b.invoke("train", "--run", "bench", "--max-steps", "2", "--set", "data.heldout=null")
         print(f"setup: training run 'bench' ended: {wait_finished(b, 'bench')}", flush=True)
 
         edited = b.checkout / "remote_scripts" / "train_config.py"

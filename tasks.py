@@ -41,6 +41,24 @@ def trust_host(c, host, fingerprint=None, inventory=None):
     print(f"pinned in {transport.pin_host_key(h, key)}")
 
 
+@op_task(help={"host": "host name from the inventory (default: every host in it)"})
+def disconnect(c, host=None, inventory=None):
+    """Close the SSH connections kept open for the next tasks (the inventory's control_persist).
+
+    A task leaves its connection to a host open in the background for control_persist seconds
+    (default 60), and the next tasks reuse it. This closes them now; the next task connects anew.
+    """
+    from dflash_ops import mux
+    from dflash_ops.inventory import load_inventory
+
+    inv = load_inventory(cli.inventory_path(c, inventory))
+    if host is not None and host not in inv.hosts:
+        raise UsageError(f"no host {host!r} in {inv.path} (known: {', '.join(sorted(inv.hosts))})")
+    for h in [inv.hosts[host]] if host else inv.hosts.values():
+        closed = mux.stop(mux.socket_path(h, inv.hosts[h.jump] if h.jump else None))
+        print(f"{h.name}: {'closed' if closed else 'no shared connection'}")
+
+
 # --- the embedded host ----------------------------------------------------------------------------
 @op_task(help={"containers": "container ids to create, e.g. 200 or 200,201",
                "hosts": "how many embedded hosts (each its own sshd on 127.0.0.1)",
@@ -505,6 +523,6 @@ sandbox_ns.add_task(sandbox_up, "up")
 sandbox_ns.add_task(sandbox_down, "down")
 sandbox_ns.add_task(sandbox_status, "status")
 
-ns = Collection(trust_host, sandbox_ns, deploy, warmup, train, logs, status, watch_run, list_runs, prune,
-                stop, doctor, clean_cache, eval_run, regenerate, metrics, fetch, plan)
+ns = Collection(trust_host, disconnect, sandbox_ns, deploy, warmup, train, logs, status, watch_run, list_runs,
+                prune, stop, doctor, clean_cache, eval_run, regenerate, metrics, fetch, plan)
 ns.configure({"dflash": {"inventory": None}})

@@ -185,9 +185,11 @@ def checks(ct: Container, found: dict, local: Local) -> list[Check]:
 # --- the task -----------------------------------------------------------------------------------
 
 def gather(t: Target, root: Path = deploy.REPO_ROOT) -> list[Check]:
-    """One round trip; a host or container that does not answer is itself the failed check."""
+    """One round trip, on a connection of its own (not a master's: reaching the host and its key
+    are checked); a host or container that does not answer is itself the failed check."""
     ct = t.container
     local = local_state(ct, root)
+    t.session.own_connection()
     try:
         result = t.session.run_in(ct, facts.facts_line(ct, facts.ALL_FACTS))
     except SudoRefused as exc:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from . import commands, localfiles
+from . import commands, localfiles, mux
 from .errors import InventoryError
 
 DEFAULT_INVENTORY = "inventory/production.yaml"
@@ -38,6 +38,8 @@ class Host:
     node: str | None = None
     pct: str = "pct"
     become: str | None = None  # "sudo": pct runs as `sudo -n pct` for a user who is not root
+    # Seconds a master keeps the connection open for the next tasks (dflash_ops.mux); 0: off.
+    control_persist: int = mux.DEFAULT_PERSIST
 
     @property
     def node_name(self) -> str:
@@ -252,7 +254,8 @@ class _Reader:
         return out
 
 
-HOST_KEYS = {"address", "port", "user", "key", "known_hosts", "jump", "node", "pct", "become"}
+HOST_KEYS = {"address", "port", "user", "key", "known_hosts", "jump", "node", "pct", "become",
+             "control_persist"}
 CONTAINER_KEYS = {"host", "name", "roles", "python", "tiny_target", "tiny_target_fit_steps", "paths",
                   "train_config", "env",
                   "secret_env", "pip_env", "rdzv_address"}
@@ -287,6 +290,9 @@ def _host(r: _Reader, name, raw, base: Path) -> Host:
     port = r.typed(raw.get("port", 22), f"{key}.port", int)
     if not 1 <= port <= 65535:
         r.fail(f"{key}.port", f"must be 1..65535, got {port}")
+    persist = r.typed(raw.get("control_persist", mux.DEFAULT_PERSIST), f"{key}.control_persist", int)
+    if not 0 <= persist <= mux.MAX_PERSIST:
+        r.fail(f"{key}.control_persist", f"must be 0 (off) to {mux.MAX_PERSIST} seconds, got {persist}")
     user = r.text(raw.get("user", "root"), f"{key}.user")
     if not re.match(r"^[a-z_][a-z0-9_.-]*$", user):
         r.fail(f"{key}.user", f"not a valid user name: {user!r}")
@@ -301,6 +307,7 @@ def _host(r: _Reader, name, raw, base: Path) -> Host:
         node=r.text(raw.get("node"), f"{key}.node", optional=True),
         pct=r.text(raw.get("pct", "pct"), f"{key}.pct"),
         become=_become(r, raw.get("become"), f"{key}.become"),
+        control_persist=persist,
     )
 
 

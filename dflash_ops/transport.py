@@ -1,4 +1,6 @@
-"""The only module that touches fabric/paramiko: one SSH connection per host per invocation.
+"""The only module that touches fabric/paramiko: one SSH connection per host per invocation, or the
+connection a master shares between invocations (`mux`). paramiko and fabric are imported only when a
+connection of the task's own is opened: through a master, a task starts without them.
 
 Host keys are verified against the inventory's known_hosts file (RejectPolicy); an unknown or changed
 key is refused, never trusted silently. Failures become one-line `dflash_ops.errors` exceptions.
@@ -12,15 +14,12 @@ import logging
 import os
 import re
 import socket
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import paramiko
-from fabric import Config, Connection
-from fabric.runners import Remote
-from invoke.exceptions import CommandTimedOut
-
-from . import commands, localfiles
+from . import commands, localfiles, mux
 from .errors import (
     AuthFailed,
     ContainerMissing,
@@ -34,6 +33,10 @@ from .errors import (
 )
 from .inventory import Container, Host
 
+if TYPE_CHECKING:
+    import paramiko
+    from fabric import Connection
+
 DEFAULT_CONNECT_TIMEOUT = 10.0
 # paramiko's transport thread logs a dropped socket ("Socket exception: ...") through logging's
 # last-resort handler onto stderr, beside our own one-line error: keep it out unless logging is set up.
@@ -45,13 +48,18 @@ MAX_LINE_BYTES = 131072 - 1
 STDERR_TAIL_LINES = 5
 
 
-class LinearRemote(Remote):
-    """Invoke's runner joins the whole captured output on every chunk read to feed its watchers:
-    quadratic in the output's size (a 16 MiB log took 47 s). We give it no watchers, so skip that."""
+def linear_remote():
+    """fabric's Remote runner without the quadratic part: Invoke's runner joins the whole captured
+    output on every chunk read to feed its watchers (a 16 MiB log took 47 s). We give it no watchers,
+    so skip that."""
+    from fabric.runners import Remote
 
-    def respond(self, buffer_):
-        if self.watchers:
-            super().respond(buffer_)
+    class LinearRemote(Remote):
+        def respond(self, buffer_):
+            if self.watchers:
+                super().respond(buffer_)
+
+    return LinearRemote
 
 
 @dataclass
@@ -153,11 +161,13 @@ def classify_become_failure(host: Host, result: Result, pty: bool = False):
 
 
 class HostSession:
-    """Commands to one host over one lazily opened SSH connection, reused for the whole invocation."""
+    """Commands to one host over one lazily opened SSH connection, reused for the whole invocation;
+    or, without a pty, through the master that shares a connection between invocations (`mux`) when
+    one serves this host. `share=False`: never through a master, and leave none behind."""
 
     def __init__(self, host: Host, *, jump: Host | None = None, dry_run: bool = False,
                  connect_timeout: float = DEFAULT_CONNECT_TIMEOUT, secrets: Sequence[str] = (),
-                 echo: Callable[[str], None] | None = None):
+                 echo: Callable[[str], None] | None = None, share: bool = True):
         self.host = host
         self.jump = jump
         self.dry_run = dry_run
@@ -166,11 +176,17 @@ class HostSession:
         self.echo = echo or (lambda line: print(line, flush=True))
         self.connections = 0
         self.round_trips = 0
+        self.share = share
         self._conn: Connection | None = None
         self._locale_checked = False
+        self._shared_path = None  # the master's socket (mux), once looked up; False: no sharing
+        self._master_started = False
 
     # --- connection -----------------------------------------------------------------------------
     def _connection(self, host: Host, gateway: Connection | None = None) -> Connection:
+        import paramiko
+        from fabric import Config, Connection
+
         connect_kwargs = {
             "timeout": self.connect_timeout,
             "banner_timeout": self.connect_timeout,
@@ -183,7 +199,7 @@ class HostSession:
             connect_kwargs["key_filename"] = [host.key]
         conn = Connection(host.address, user=host.user, port=host.port, gateway=gateway,
                           config=Config(overrides={"load_ssh_configs": False,
-                                                   "runners": {"remote": LinearRemote}}),
+                                                   "runners": {"remote": linear_remote()}}),
                           connect_kwargs=connect_kwargs)
         conn.client.set_missing_host_key_policy(paramiko.RejectPolicy())
         known = os.path.expanduser(host.known_hosts)
@@ -193,6 +209,8 @@ class HostSession:
         return conn
 
     def _open(self, conn: Connection, host: Host) -> None:
+        import paramiko
+
         where = f"{host.name} ({host.address}:{host.port})"
         try:
             conn.open()
@@ -228,7 +246,66 @@ class HostSession:
         conn.transport.set_keepalive(15)
         self._conn = conn
         self.connections += 1
+        self._leave_master()
         return conn
+
+    # --- the connection shared between invocations (mux) ----------------------------------------
+    def shared_path(self):
+        """The socket of this host's master, or None: sharing is off (control_persist 0, a dry run,
+        share=False), the control directory is not private, or the socket's path is too long."""
+        if self._shared_path is None:
+            self._shared_path = False
+            if self.share and not self.dry_run and mux.persist_seconds(self.host) > 0:
+                path = mux.socket_path(self.host, self.jump)
+                if mux.usable(path) and mux.private_dir(path.parent):
+                    self._shared_path = path
+        return self._shared_path or None
+
+    def own_connection(self) -> None:
+        """From now on, this session's commands go over a connection of its own, never a master's
+        (doctor: the connection itself, the host key and the authentication, is what it checks)."""
+        self._shared_path = False
+
+    def _leave_master(self) -> None:
+        """After a connection of our own: start a master for the next invocations, unless one serves."""
+        path = self.shared_path()
+        if path is None or self._master_started:
+            return
+        self._master_started = True
+        if not mux.answers(path):
+            mux.start_master(self.host, self.jump, mux.persist_seconds(self.host), path)
+
+    def _run_shared(self, line: str, *, show: bool, timeout: float | None, out_stream,
+                    err_stream) -> Result | None:
+        """`line` through the master (one round trip), or None: no master took it."""
+        path = self.shared_path()
+        if path is None:
+            return None
+        on_out = on_err = None
+        if show:
+            def on_out(text, stream=out_stream or sys.stdout):
+                stream.write(text)
+                stream.flush()
+
+            def on_err(text, stream=err_stream or sys.stderr):
+                stream.write(text)
+                stream.flush()
+        try:
+            got = mux.run(path, line, on_out=on_out, on_err=on_err, timeout=timeout)
+        except mux.Refused:
+            return None
+        except TimeoutError:
+            self.round_trips += 1
+            raise RemoteCommandFailed(f"{self.host.name}: command timed out after {timeout:g} s: "
+                                      f"{self.shown(line)[:200]}") from None
+        except mux.Lost as exc:
+            self.round_trips += 1
+            raise HostUnreachable(f"connection to {self.host.name} lost (shared connection): {exc}") from None
+        if got is None:
+            return None
+        self.round_trips += 1
+        stdout, stderr, exited = got
+        return Result(line=line, stdout=stdout, stderr=stderr, exited=exited)
 
     def close(self) -> None:
         if self._conn is not None:
@@ -250,9 +327,28 @@ class HostSession:
         if self.dry_run:
             self.echo(self.shown(line))
             return Result(line=line)
+        hide = not stream and out_stream is None
+        result = None
+        if not pty and self._conn is None:
+            result = self._run_shared(line, show=not hide, timeout=timeout, out_stream=out_stream,
+                                      err_stream=err_stream)
+        if result is None:
+            result = self._run_own(line, hide=hide, timeout=timeout, pty=pty, out_stream=out_stream,
+                                   err_stream=err_stream)
+        if check and not result.ok:
+            raise RemoteCommandFailed(
+                f"{self.host.name}: exit {result.exited}: "
+                f"{self.shown(stderr_tail(result.stderr)) or '(no stderr)'}",
+                exited=result.exited, stderr_tail=stderr_tail(result.stderr))
+        return result
+
+    def _run_own(self, line: str, *, hide: bool, timeout: float | None, pty: bool, out_stream,
+                 err_stream) -> Result:
+        import paramiko
+        from invoke.exceptions import CommandTimedOut
+
         conn = self.connect()
         self.round_trips += 1
-        hide = not stream and out_stream is None
         try:
             r = conn.run(line, hide=hide, warn=True, pty=pty, timeout=timeout,
                          in_stream=False,  # stdin is polled byte by byte: files go over SFTP instead
@@ -264,13 +360,7 @@ class HostSession:
             self._conn = None
             raise HostUnreachable(f"connection to {self.host.name} lost: "
                                   f"{exc or type(exc).__name__}") from None
-        result = Result(line=line, stdout=r.stdout, stderr=r.stderr, exited=r.exited)
-        if check and not result.ok:
-            raise RemoteCommandFailed(
-                f"{self.host.name}: exit {result.exited}: "
-                f"{self.shown(stderr_tail(result.stderr)) or '(no stderr)'}",
-                exited=result.exited, stderr_tail=stderr_tail(result.stderr))
-        return result
+        return Result(line=line, stdout=r.stdout, stderr=r.stderr, exited=r.exited)
 
     def exec(self, ct: Container, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
              cwd: str | None = None, check: bool = True, **kwargs) -> Result:
@@ -343,6 +433,8 @@ class HostSession:
 
     # --- files (SFTP to the host; pct push/pull moves them in and out of containers) -----------
     def put_bytes(self, data: bytes, host_path: str, mode: int = 0o600) -> None:
+        import paramiko
+
         if self.dry_run:
             self.echo(f"# sftp put {len(data)} bytes -> {host_path}")
             return
@@ -360,6 +452,8 @@ class HostSession:
                                   f"container, run the task again") from None
 
     def get_bytes(self, host_path: str) -> bytes:
+        import paramiko
+
         if self.dry_run:
             self.echo(f"# sftp get {host_path}")
             return b""
@@ -383,6 +477,8 @@ class HostSession:
         if self.dry_run:
             self.echo(self.shown(line))
             return
+        import paramiko
+
         try:
             transport = self.connect().transport
             channel = transport.open_session()
@@ -414,6 +510,8 @@ class HostSession:
     # --- host keys --------------------------------------------------------------------------------
     def offered_host_key(self) -> paramiko.PKey:
         """The key the host presents, fetched without trusting or saving it."""
+        import paramiko
+
         sock = socket.create_connection((self.host.address, self.host.port), timeout=self.connect_timeout)
         t = paramiko.Transport(sock)
         try:
@@ -425,6 +523,8 @@ class HostSession:
 
 def pin_host_key(host: Host, key: paramiko.PKey) -> str:
     """Replace the host's entry in its known_hosts file with `key` (only after an explicit check)."""
+    import paramiko
+
     path = os.path.expanduser(host.known_hosts)
     keys = paramiko.HostKeys()
     if os.path.exists(path):

@@ -41,6 +41,10 @@ from parallel import file_lock, run_dir, worker
 from dflash_ops import sandbox as sandbox_mod
 
 TESTS = Path(__file__).resolve().parent
+# Connection sharing between invocations (dflash_ops.mux) is off for the suite, so that no test meets
+# another's connection; tests/integration/test_mux.py turns it on for itself. Export
+# DFLASH_CONTROL_PERSIST=60 to run the whole suite with it on.
+os.environ.setdefault("DFLASH_CONTROL_PERSIST", "0")
 TIERS = {"unit": "unit", "integration": "integration", "conformance": "integration", "remote": "training"}
 # Before a run has recorded durations, a guess per test: the slow tiers' files first.
 FIRST_RUN_SECONDS_PER_TEST = {"integration": 10.0, "remote": 3.0, "unit": 0.1}

@@ -76,6 +76,9 @@ def test_good_inventory_loads_into_frozen_dataclasses():
     (["hosts"], KeyError, "hosts", "required key is missing"),
     (["hosts", "pve1", "become"], "su", "hosts.pve1.become", "must be one of sudo"),
     (["hosts", "pve1", "become"], True, "hosts.pve1.become", "must be one of sudo"),
+    (["hosts", "pve1", "control_persist"], -1, "hosts.pve1.control_persist", "must be 0 (off) to 86400"),
+    (["hosts", "pve1", "control_persist"], "60s", "hosts.pve1.control_persist", "must be int"),
+    (["hosts", "pve1", "control_persist"], True, "hosts.pve1.control_persist", "must be an integer"),
 ])
 def test_bad_values_are_refused_with_file_key_and_reason(path, value, key, reason):
     with pytest.raises(InventoryError) as err:

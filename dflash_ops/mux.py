@@ -1,0 +1,354 @@
+"""Connection sharing between invocations, as OpenSSH's ControlMaster/ControlPersist (Ansible's default).
+
+The first task that connects to a host leaves a master behind: a small background process holding
+one verified SSH connection, listening on a Unix socket in a private directory. For the next
+`control_persist` seconds (inventory, default 60; `DFLASH_CONTROL_PERSIST=0` turns it off), a task's
+command lines for that host go through it: no paramiko import, no key exchange, no authentication,
+the same remote session per command. The master exits once idle that long, or when its connection
+drops.
+
+What goes through a master: command lines without a pty (`HostSession.run`). A pty, SFTP and file
+streams open the task's own connection, as before. The master is found by a name made of everything
+that decides where and how to connect (user, address, port, key, the known_hosts file and its
+contents, the jump host): a re-pinned host key or another key means another master. Its socket lives
+in a directory only this user can use, and it serves only clients of this user (SO_PEERCRED).
+
+Protocol on the socket, one command per client connection: the client sends a 4-byte big-endian
+length and a JSON header {"line": ...}; the master answers frames of one type byte, a 4-byte length and
+the data: `s` the command started, `o` stdout bytes, `e` stderr bytes, `x` the exit status (text), `E`
+the connection was lost (text), `R` refused before the command started (text). A client that gets `R`,
+or loses the master before `s` (it was exiting, idle), runs the command on its own connection. The
+client closing its end (Ctrl-C, a timeout) closes the channel: sshd ends the session, and the command
+with it (commands.SESSION_SCRIPT).
+"""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+import json
+import os
+import select
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+ENV = "DFLASH_CONTROL_PERSIST"
+DEFAULT_PERSIST = 60
+MAX_PERSIST = 86_400
+HEADER_MAX = 1 << 20
+FRAME = struct.Struct(">cI")
+CHUNK = 1 << 16
+SUN_PATH_MAX = 107
+
+
+class Refused(Exception):
+    """The master could not start the command (no channel): use a connection of one's own."""
+
+
+class Lost(Exception):
+    """The master's connection dropped while the command ran."""
+
+
+def persist_seconds(host) -> int:
+    """The host's control_persist, or $DFLASH_CONTROL_PERSIST when set (0: no sharing)."""
+    raw = os.environ.get(ENV)
+    if raw is None or raw.strip() == "":
+        return host.control_persist
+    try:
+        value = int(raw)
+    except ValueError:
+        return 0
+    return min(max(value, 0), MAX_PERSIST)
+
+
+def control_dir() -> Path:
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    base = Path(runtime) if runtime and os.path.isdir(runtime) else Path.home() / ".cache"
+    return base / "dflash-ops"
+
+
+def private_dir(path: Path) -> bool:
+    """`path` exists (made if missing) as a directory of this user that nobody else may enter."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
+
+
+def _identity(host) -> list:
+    fields = [host.user, host.address, host.port, host.key, host.known_hosts]
+    known = os.path.expanduser(host.known_hosts)
+    try:
+        with open(known, "rb") as f:
+            fields.append(hashlib.sha256(f.read(8 << 20)).hexdigest())
+    except OSError:
+        fields.append(None)
+    return fields
+
+
+def socket_path(host, jump=None) -> Path:
+    ident = json.dumps([_identity(host), _identity(jump) if jump is not None else None])
+    return control_dir() / (hashlib.sha256(ident.encode()).hexdigest()[:16] + ".sock")
+
+
+def usable(path: Path) -> bool:
+    """A Unix socket's path holds at most 107 bytes (sun_path): a longer one turns sharing off."""
+    return len(os.fsencode(path)) <= SUN_PATH_MAX
+
+
+def _send(sock: socket.socket, kind: bytes, data: bytes = b"") -> None:
+    sock.sendall(FRAME.pack(kind, len(data)) + data)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        part = sock.recv(n - len(buf))
+        if not part:
+            raise EOFError("the master closed the connection")
+        buf += part
+    return buf
+
+
+# --- client ---------------------------------------------------------------------------------------
+def run(path: Path, line: str, *, on_out=None, on_err=None, timeout: float | None = None):
+    """Run `line` through the master at `path`: (stdout, stderr, exited), or None when no master
+    answers there. Output is decoded as UTF-8 (invalid bytes replaced) and handed to on_out/on_err as
+    it comes. Raises Refused, Lost, or TimeoutError (the command was ended)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(str(path))
+    except OSError:
+        sock.close()
+        return None
+    deadline = None if timeout is None else time.monotonic() + timeout
+    decoders = {b"o": codecs.getincrementaldecoder("utf-8")("replace"),
+                b"e": codecs.getincrementaldecoder("utf-8")("replace")}
+    out: dict[bytes, list[str]] = {b"o": [], b"e": []}
+    sinks = {b"o": on_out, b"e": on_err}
+    started = False
+    with sock:
+        header = json.dumps({"line": line}).encode()
+        try:
+            sock.sendall(struct.pack(">I", len(header)) + header)
+        except OSError:
+            return None
+        while True:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([sock], [], [], left)[0]:
+                    raise TimeoutError
+            try:
+                kind, size = FRAME.unpack(_recv_exact(sock, FRAME.size))
+                data = _recv_exact(sock, size)
+            except (OSError, EOFError) as exc:
+                if not started:
+                    return None  # the master went away before it started the command
+                raise Lost(str(exc) or type(exc).__name__) from None
+            if kind == b"s":
+                started = True
+            elif kind in out:
+                text = decoders[kind].decode(data)
+                if text:
+                    out[kind].append(text)
+                    if sinks[kind] is not None:
+                        sinks[kind](text)
+            elif kind == b"x":
+                for k, dec in decoders.items():
+                    if tail := dec.decode(b"", final=True):
+                        out[k].append(tail)
+                        if sinks[k] is not None:
+                            sinks[k](tail)
+                return "".join(out[b"o"]), "".join(out[b"e"]), int(data)
+            elif kind == b"R":
+                raise Refused(data.decode("utf-8", "replace"))
+            else:  # b"E" or anything unexpected
+                raise Lost(data.decode("utf-8", "replace") or "the master stopped")
+
+
+def stop(path: Path) -> bool:
+    """Ask the master at `path` to leave (as `ssh -O exit`): it stops taking commands at once and
+    exits when the running ones end. False: no master answered there."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(str(path))
+        header = json.dumps({"exit": True}).encode()
+        sock.sendall(struct.pack(">I", len(header)) + header)
+        sock.settimeout(10)
+        return FRAME.unpack(_recv_exact(sock, FRAME.size))[0] == b"x"
+    except (OSError, EOFError):
+        return False
+    finally:
+        sock.close()
+
+
+def answers(path: Path) -> bool:
+    """Whether a master listens at `path` (a socket file left by a killed one does not)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(str(path))
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.close()
+
+
+def start_master(host, jump, persist: int, path: Path) -> None:
+    """Leave a master for `host` behind (it connects by itself; nothing waits for it)."""
+    spec = json.dumps({"host": asdict(host), "jump": asdict(jump) if jump is not None else None,
+                       "persist": persist, "path": str(path)})
+    package_parent = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (package_parent, os.environ.get("PYTHONPATH")) if p)}
+    env.pop(ENV, None)
+    # sh puts it in the background and exits: the master is nobody's child here, and the task does
+    # not wait for its connection.
+    subprocess.run(["/bin/sh", "-c", 'exec "$@" </dev/null >/dev/null 2>&1 &', "sh", sys.executable,
+                    "-m", "dflash_ops.mux", spec], env=env, cwd="/", start_new_session=True, check=False)
+
+
+# --- master ---------------------------------------------------------------------------------------
+class Master:
+    def __init__(self, session, persist: int, path: Path):
+        self.session, self.persist, self.path = session, persist, path
+        self.active = 0
+        self.leaving = False
+        self.last = time.monotonic()
+        self.lock = threading.Lock()
+
+    def serve(self, listener: socket.socket) -> None:
+        transport = self.session.connect().transport
+        listener.settimeout(1.0)
+        while transport.is_active():
+            with self.lock:
+                if not self.active and (self.leaving or time.monotonic() - self.last > self.persist):
+                    if not self.leaving:
+                        self.path.unlink(missing_ok=True)  # new clients find no master, not a dying one
+                    return
+            try:
+                client, _ = listener.accept()
+            except TimeoutError:
+                continue
+            creds = client.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            if struct.unpack("3i", creds)[1] != os.getuid():
+                client.close()
+                continue
+            with self.lock:
+                self.active += 1
+            threading.Thread(target=self._handle, args=(client, transport), daemon=True).start()
+
+    def _handle(self, client: socket.socket, transport) -> None:
+        try:
+            with client:
+                self._relay(client, transport)
+        except (OSError, EOFError, ValueError):
+            pass
+        finally:
+            with self.lock:
+                self.active -= 1
+                self.last = time.monotonic()
+
+    def _relay(self, client: socket.socket, transport) -> None:
+        client.settimeout(10)
+        (size,) = struct.unpack(">I", _recv_exact(client, 4))
+        if size > HEADER_MAX:
+            return
+        header = json.loads(_recv_exact(client, size))
+        if header.get("exit"):
+            self.leaving = True
+            self.path.unlink(missing_ok=True)
+            _send(client, b"x", b"0")
+            return
+        line = header["line"]
+        client.settimeout(None)
+        try:
+            channel = transport.open_session(timeout=10)
+            channel.exec_command(line)
+        except Exception as exc:  # noqa: BLE001 - any failure to start: the client connects itself
+            _send(client, b"R", str(exc).encode()[:1000])
+            return
+        _send(client, b"s")
+        try:
+            while True:
+                ready = select.select([channel, client], [], [], 5.0)[0]
+                if client in ready:
+                    return  # the client went away (Ctrl-C, a timeout): the channel closes below
+                while channel.recv_ready():
+                    _send(client, b"o", channel.recv(CHUNK))
+                while channel.recv_stderr_ready():
+                    _send(client, b"e", channel.recv_stderr(CHUNK))
+                if channel.exit_status_ready() and not channel.recv_ready() \
+                        and not channel.recv_stderr_ready():
+                    # Output may still trail the exit status: read to the end of both streams.
+                    while data := channel.recv(CHUNK):
+                        _send(client, b"o", data)
+                    while data := channel.recv_stderr(CHUNK):
+                        _send(client, b"e", data)
+                    _send(client, b"x", str(channel.recv_exit_status()).encode())
+                    return
+                if not transport.is_active():
+                    _send(client, b"E", b"the shared connection dropped")
+                    return
+        finally:
+            channel.close()
+
+
+def main(spec_text: str) -> int:
+    import fcntl
+
+    spec = json.loads(spec_text)
+    path = Path(spec["path"])
+    if not private_dir(path.parent):
+        return 1
+    lock = os.open(str(path) + ".lock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)  # held for life
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return 0  # another master for this host is starting or serving
+    from .inventory import Host
+    from .transport import HostSession
+
+    host = Host(**spec["host"])
+    jump = Host(**spec["jump"]) if spec["jump"] else None
+    session = HostSession(host, jump=jump, share=False)
+    session.connect()  # verified and authenticated as any task's connection, or the master ends here
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        listener.bind(str(path))
+    finally:
+        os.umask(old)
+    listener.listen(64)
+    mine = os.stat(path).st_ino
+    try:
+        Master(session, int(spec["persist"]), path).serve(listener)
+    finally:
+        listener.close()
+        try:
+            if os.stat(path).st_ino == mine:
+                path.unlink()
+        except OSError:
+            pass
+        session.close()
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1]))
+    except Exception:  # noqa: BLE001 - nobody reads a master's errors; the next task connects itself
+        sys.exit(1)

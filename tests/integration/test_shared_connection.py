@@ -1,0 +1,206 @@
+"""Connection sharing between invocations (dflash_ops.mux) against the embedded host: real sshd on
+127.0.0.1, real pct isolation. The rest of the suite runs with sharing off (tests/conftest.py); these
+tests turn it on, each with its own control directory."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from dflash_ops import errors, mux, transport
+from dflash_ops.inventory import load_inventory
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def shared(sandbox, monkeypatch):
+    """Sharing on (30 s), a private control dir of this test's own; every master left is stopped.
+    The dir is short: a socket's path holds 107 bytes, and pytest's tmp_path can take most of them."""
+    control = Path(tempfile.mkdtemp(prefix="cp-"))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(control))
+    monkeypatch.setenv(mux.ENV, "30")
+    inv = load_inventory(sandbox.inventory)
+    ct = inv.container(200)
+    path = mux.socket_path(ct.host)
+    yield inv, ct, path
+    mux.stop(path)
+    gone_by = time.monotonic() + 10
+    while master_pids(path) and time.monotonic() < gone_by:
+        time.sleep(0.1)
+    for pid in master_pids(path):
+        os.kill(pid, signal.SIGKILL)
+    shutil.rmtree(control, ignore_errors=True)
+
+
+def master_pids(path: Path) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"dflash_ops.mux" in cmdline and str(path).encode() in cmdline:
+            found.append(int(pid))
+    return found
+
+
+def wait_for_master(path: Path, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not mux.answers(path):
+        assert time.monotonic() < deadline, f"no master answered at {path} within {timeout} s"
+        time.sleep(0.05)
+
+
+def in_container(s: transport.HostSession, ct, script: str) -> str:
+    return s.exec(ct, ["sh", "-c", script], check=False).stdout
+
+
+# Output that crosses the master's 64 KiB frames in the middle of a character, on both streams.
+BIG = "head -c 300001 /dev/zero | tr '\\0' x; printf 'é%.0s' $(seq 70000); printf 'ü€' >&2; exit 7"
+
+
+def test_the_next_session_runs_through_the_master_with_the_same_results(shared):
+    inv, ct, path = shared
+    first = transport.HostSession(ct.host)
+    cases = [["sh", "-c", "echo out; echo err >&2; exit 3"], ["sh", "-c", BIG],
+             ["sh", "-c", "printf '%s' \"$X\"; exit 0"]]
+    own = [first.exec(ct, argv, env={"X": "a 'b' $(c)"}, check=False) for argv in cases]
+    assert first.connections == 1
+    wait_for_master(path)
+    second = transport.HostSession(ct.host)
+    through = [second.exec(ct, argv, env={"X": "a 'b' $(c)"}, check=False) for argv in cases]
+    assert second.connections == 0 and second.round_trips == 4  # 3, and the check of pct's locale
+    assert [(r.stdout, r.stderr, r.exited) for r in through] == [(r.stdout, r.stderr, r.exited) for r in own]
+    assert through[1].stdout.endswith("é" * 70000) and through[1].stderr == "ü€" and through[1].exited == 7
+    with pytest.raises(errors.RemoteCommandFailed) as err:
+        second.exec(ct, ["sh", "-c", "echo 'the last line' >&2; exit 4"])
+    assert err.value.exited == 4 and "the last line" in str(err.value)
+    # A stopped container is still told apart from a command's failure.
+    with pytest.raises(errors.ContainerStopped):
+        second.exec(inv.container(201), ["true"])
+    first.close()
+
+
+def test_a_task_through_the_master_imports_no_paramiko(shared):
+    inv, ct, path = shared
+    env = {**os.environ, "DFLASH_OPS_STATS": "1"}
+    argv = [str(REPO / ".venv/bin/invoke"), "status", "--json", "--inventory", str(inv.path), "--ct", "200"]
+    first = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr
+    assert "pve1: 1 connection(s), 1 round trip(s)" in first.stderr
+    wait_for_master(path)
+    second = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert second.returncode == 0, second.stderr
+    assert "pve1: 0 connection(s), 1 round trip(s)" in second.stderr
+    assert second.stdout == first.stdout
+    # What a task through the master has imported: not paramiko, not fabric.
+    code = ("import sys; from dflash_ops.inventory import load_inventory; from dflash_ops.transport import "
+            "HostSession; ct = load_inventory(sys.argv[1]).container(200); HostSession(ct.host).exec(ct, "
+            "['true']); print(sorted(m for m in ('paramiko', 'fabric') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code, str(inv.path)], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stderr
+
+
+def test_a_timeout_through_the_master_ends_the_command_in_the_container(shared):
+    inv, ct, path = shared
+    own = transport.HostSession(ct.host)
+    own.exec(ct, ["true"])
+    wait_for_master(path)
+    s = transport.HostSession(ct.host)
+    with pytest.raises(errors.RemoteCommandFailed, match="timed out after 1 s"):
+        s.exec(ct, ["sh", "-c", "exec sleep 4242"], timeout=1)
+    assert s.connections == 0
+    deadline = time.monotonic() + 15
+    while "sleep 4242" in in_container(own, ct, "ps -eo args"):
+        assert time.monotonic() < deadline, "the command outlived its timed-out session"
+        time.sleep(0.2)
+    own.close()
+
+
+def test_a_client_killed_mid_command_ends_the_command_in_the_container(shared):
+    inv, ct, path = shared
+    own = transport.HostSession(ct.host)
+    own.exec(ct, ["true"])
+    wait_for_master(path)
+    code = ("import sys; from dflash_ops.inventory import load_inventory; from dflash_ops.transport import "
+            "HostSession; ct = load_inventory(sys.argv[1]).container(200); "
+            "HostSession(ct.host).exec(ct, ['sh', '-c', 'echo started; exec sleep 4343'], stream=True)")
+    client = subprocess.Popen([sys.executable, "-c", code, str(inv.path)], cwd=REPO, stdout=subprocess.PIPE,
+                              text=True)
+    assert client.stdout.readline() == "started\n"  # streamed through the master as it came
+    assert "sleep 4343" in in_container(own, ct, "ps -eo args")
+    client.send_signal(signal.SIGKILL)  # as a closed terminal: nothing in the client cleans up
+    client.wait(timeout=30)
+    deadline = time.monotonic() + 15
+    while "sleep 4343" in in_container(own, ct, "ps -eo args"):
+        assert time.monotonic() < deadline, "the command outlived its client"
+        time.sleep(0.2)
+    # The master goes on serving.
+    assert transport.HostSession(ct.host).exec(ct, ["echo", "ok"]).stdout == "ok\n"
+    own.close()
+
+
+def test_an_idle_master_leaves_and_a_killed_one_is_replaced(shared, monkeypatch):
+    inv, ct, path = shared
+    monkeypatch.setenv(mux.ENV, "1")
+    transport.HostSession(ct.host).exec(ct, ["true"])
+    wait_for_master(path)
+    deadline = time.monotonic() + 20
+    while master_pids(path) or path.exists():
+        assert time.monotonic() < deadline, "an idle master did not leave"
+        time.sleep(0.2)
+    monkeypatch.setenv(mux.ENV, "30")
+    s = transport.HostSession(ct.host)
+    s.exec(ct, ["true"])
+    assert s.connections == 1  # nobody to share with: its own connection, and a master left behind
+    wait_for_master(path)
+    for pid in master_pids(path):
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while mux.answers(path):  # its listening socket goes last as it exits
+        assert time.monotonic() < deadline, "a killed master still answers"
+        time.sleep(0.05)
+    assert path.exists()  # what a killed master leaves
+    s = transport.HostSession(ct.host)
+    assert s.exec(ct, ["echo", "ok"]).stdout == "ok\n" and s.connections == 1
+    wait_for_master(path)  # a new one
+    assert mux.stop(path) and not path.exists()
+
+
+def test_sharing_is_off_without_a_private_control_dir_or_with_zero(shared, monkeypatch, tmp_path):
+    inv, ct, path = shared
+    monkeypatch.setenv(mux.ENV, "0")
+    s = transport.HostSession(ct.host)
+    s.exec(ct, ["true"])
+    assert s.connections == 1 and s.shared_path() is None
+    time.sleep(0.5)
+    assert not master_pids(path)
+    opened = tmp_path / "open"
+    opened.mkdir()
+    opened.chmod(0o755)
+    (opened / "dflash-ops").mkdir(mode=0o755)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(opened))
+    monkeypatch.setenv(mux.ENV, "30")
+    s = transport.HostSession(ct.host)
+    s.exec(ct, ["true"])
+    assert s.connections == 1 and s.shared_path() is None
+
+
+def test_doctor_checks_a_connection_of_its_own(shared):
+    inv, ct, path = shared
+    transport.HostSession(ct.host).exec(ct, ["true"])
+    wait_for_master(path)
+    argv = [str(REPO / ".venv/bin/invoke"), "doctor", "--inventory", str(inv.path), "--ct", "200"]
+    r = subprocess.run(argv, cwd=REPO, env={**os.environ, "DFLASH_OPS_STATS": "1"}, capture_output=True,
+                       text=True, timeout=120)
+    assert "pve1: 1 connection(s)" in r.stderr, r.stderr
+    assert "host reachable" in r.stdout

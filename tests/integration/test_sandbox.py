@@ -102,6 +102,16 @@ def test_pct_is_on_the_session_path_and_status_reports(sandbox):
     assert [line.split() for line in lines[4:]] == [["200", "running", "ct200"], ["201", "stopped", "ct201"]]
 
 
+def test_a_command_runs_without_this_machines_bashrc(sandbox):
+    # Debian's bash reads ~/.bashrc for a command from sshd while SHLVL is unset (SSH_SOURCE_BASHRC):
+    # root's .bashrc here is the test machine's, not a Proxmox host's. sshd sets SHLVL=1, bash makes
+    # it 2, and at 2 it reads nothing; the session's PATH is the host's own.
+    code, out, _ = ssh(sandbox, 'echo "$SHLVL"; echo "$PATH"')
+    assert code == 0
+    system = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+    assert out.splitlines() == ["2", f"{sandbox.pct.parent}:{system}"]
+
+
 def test_unknown_host_key_is_refused(sandbox, tmp_path):
     empty = tmp_path / "known_hosts"
     empty.write_text("")

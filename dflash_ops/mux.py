@@ -280,25 +280,23 @@ class Master:
         _send(client, b"s")
         try:
             while True:
-                ready = select.select([channel, client], [], [], 5.0)[0]
-                if client in ready:
-                    return  # the client went away (Ctrl-C, a timeout): the channel closes below
+                # Both streams at their end (seen before the last reads, so nothing comes after them;
+                # the channel's readiness pipe then stays set: watch only the client): done once the
+                # exit status is in too. A command that closed its output and runs on is waited for.
+                ended = channel.eof_received or channel.closed
                 while channel.recv_ready():
                     _send(client, b"o", channel.recv(CHUNK))
                 while channel.recv_stderr_ready():
                     _send(client, b"e", channel.recv_stderr(CHUNK))
-                if channel.exit_status_ready() and not channel.recv_ready() \
-                        and not channel.recv_stderr_ready():
-                    # Output may still trail the exit status: read to the end of both streams.
-                    while data := channel.recv(CHUNK):
-                        _send(client, b"o", data)
-                    while data := channel.recv_stderr(CHUNK):
-                        _send(client, b"e", data)
+                if ended and channel.exit_status_ready():
                     _send(client, b"x", str(channel.recv_exit_status()).encode())
                     return
                 if not transport.is_active():
                     _send(client, b"E", b"the shared connection dropped")
                     return
+                ready = select.select([client] if ended else [channel, client], [], [], 1.0)[0]
+                if client in ready:
+                    return  # the client went away (Ctrl-C, a timeout): the channel closes below
         finally:
             channel.close()
 

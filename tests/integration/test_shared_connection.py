@@ -115,6 +115,25 @@ def test_a_task_through_the_master_imports_no_paramiko(shared):
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stderr
 
 
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_command_that_closes_its_output_and_runs_on_is_waited_for_without_spinning(shared):
+    inv, ct, path = shared
+    transport.HostSession(ct.host).exec(ct, ["true"])
+    wait_for_master(path)
+    (master,) = master_pids(path)
+    before = cpu_seconds(master)
+    s = transport.HostSession(ct.host)
+    r = s.run("echo early; exec >&- 2>&-; sleep 3; exit 5", check=False)  # on the host: sshd sees EOF
+    assert (r.stdout, r.exited, s.connections) == ("early\n", 5, 0)
+    # Three seconds with both streams closed: a master polling the ended channel in a loop would
+    # burn most of them; one waiting on its client spends next to nothing.
+    assert cpu_seconds(master) - before < 0.5
+
+
 def test_a_timeout_through_the_master_ends_the_command_in_the_container(shared):
     inv, ct, path = shared
     own = transport.HostSession(ct.host)

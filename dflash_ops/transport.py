@@ -15,6 +15,7 @@ import os
 import re
 import socket
 import sys
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -45,19 +46,34 @@ logging.getLogger("paramiko").addHandler(logging.NullHandler())
 # (MAX_ARG_STRLEN, NUL included). Longer lines failed as "Argument list too long", and past sshd's
 # packet size as a reset connection that looked like a network fault.
 MAX_LINE_BYTES = 131072 - 1
+# After a command killed by a signal: how long a container that still says "running" is asked again.
+STOP_SETTLE_S = 2.0
+STOP_SETTLE_EVERY_S = 0.25
 STDERR_TAIL_LINES = 5
 
 
 def linear_remote():
-    """fabric's Remote runner without the quadratic part: Invoke's runner joins the whole captured
-    output on every chunk read to feed its watchers (a 16 MiB log took 47 s). We give it no watchers,
-    so skip that."""
+    """fabric's Remote runner, two things mended. Invoke's runner joins the whole captured output on
+    every chunk read to feed its watchers: quadratic in the output's size (a 16 MiB log took 47 s); we
+    give it no watchers, so skip that. And it decodes each 1000-byte read on its own: a multi-byte
+    UTF-8 character cut by a read's end came out as two U+FFFD; one incremental decoder per stream
+    keeps it whole."""
+    import codecs
+
     from fabric.runners import Remote
 
     class LinearRemote(Remote):
         def respond(self, buffer_):
             if self.watchers:
                 super().respond(buffer_)
+
+        def read_proc_output(self, reader):
+            decoder = codecs.getincrementaldecoder(self.encoding)("replace")
+            while data := reader(self.read_chunk_size):
+                if text := decoder.decode(data):
+                    yield text
+            if text := decoder.decode(b"", final=True):
+                yield text
 
     return LinearRemote
 
@@ -419,8 +435,17 @@ class HostSession:
 
     def container_state(self, ct: Container, during: bool = True):
         """ContainerStopped/Missing from `pct status`, or None when it runs. `during`: it went away under a
-        command (killed by a signal); else pct refused a push or pull."""
-        probe = self.run(commands.pct_line(ct.host.pct_command, "status", str(ct.ctid)), check=False)
+        command (killed by a signal); else pct refused a push or pull.
+
+        A container being stopped has its processes killed before `pct status` says so (pct stop kills
+        the init, waits for it, then lets go of the container): after a command killed by a signal,
+        a container that still runs is asked again, for up to STOP_SETTLE_S."""
+        settle_by = time.monotonic() + (STOP_SETTLE_S if during else 0)
+        while True:
+            probe = self.run(commands.pct_line(ct.host.pct_command, "status", str(ct.ctid)), check=False)
+            if "status: running" not in probe.stdout or time.monotonic() >= settle_by:
+                break
+            time.sleep(STOP_SETTLE_EVERY_S)
         if "status: stopped" in probe.stdout:
             if during:
                 return ContainerStopped(f"container {ct.ctid} on host {ct.host.name} stopped while the "

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import paramiko
 import pytest
 import yaml
 
+from dflash_ops import errors, transport
 from dflash_ops import sandbox as sandbox_mod
 from dflash_ops.inventory import load_inventory
 
@@ -310,6 +312,28 @@ def test_pct_refuses_anyone_but_root(sandbox, tmp_path):
 @pytest.fixture(scope="module")
 def private(sandbox_factory):
     return sandbox_factory(containers=(300, 301))
+
+
+def test_a_command_killed_by_a_slow_stop_is_told_as_the_container_stopped(private):
+    # pct status says "running" for a moment after pct stop killed the container's processes (here
+    # for 1.5 s): the command's exit 137 is still the container stopped, not a failure of its own.
+    inv = load_inventory(private.inventory)
+    ct = inv.container(300)
+    s = transport.HostSession(ct.host)
+    s.exec(ct, ["true"])
+    stopped = []
+    stopper = threading.Timer(1.0, lambda: stopped.append(subprocess.run(
+        [str(private.pct), "stop", "300"], env={**os.environ, "DFLASH_PCT_STOP_LAG": "1.5"},
+        capture_output=True, text=True)))
+    stopper.start()
+    try:
+        with pytest.raises(errors.ContainerStopped, match="stopped while the command ran"):
+            s.exec(ct, ["sleep", "300"])
+    finally:
+        stopper.join()
+        subprocess.run([str(private.pct), "start", "300"], check=True)
+        s.close()
+    assert stopped[0].returncode == 0, stopped[0].stderr
 
 
 def test_list_names_a_container_without_hostname_ct_and_its_id(private):

@@ -58,6 +58,15 @@ def test_command_runs_in_the_container_with_the_env_and_cwd_asked_for(inv):
     s.close()
 
 
+def test_multibyte_characters_cut_by_a_read_arrive_whole(inv):
+    # 'x' then 2-byte characters in one write: reads of 1000 bytes end in the middle of one.
+    s = session(inv)
+    r = s.run("""printf 'x%s' "$(printf 'é%.0s' $(seq 20000))"; """
+              """printf 'y%s' "$(printf 'ü%.0s' $(seq 3000))" >&2""")
+    assert r.stdout == "x" + "é" * 20000 and r.stderr == "y" + "ü" * 3000
+    s.close()
+
+
 def test_exit_codes_and_output_are_kept(inv):
     s = session(inv)
     ct = inv.container(200)

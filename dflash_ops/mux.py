@@ -281,7 +281,7 @@ class Master:
         try:
             while True:
                 # Both streams at their end (seen before the last reads, so nothing comes after them;
-                # the channel's readiness pipe then stays set: watch only the client): done once the
+                # the channel's readiness pipe then stays set, so it is not watched): done once the
                 # exit status is in too. A command that closed its output and runs on is waited for.
                 ended = channel.eof_received or channel.closed
                 while channel.recv_ready():
@@ -294,7 +294,11 @@ class Master:
                 if not transport.is_active():
                     _send(client, b"E", b"the shared connection dropped")
                     return
-                ready = select.select([client] if ended else [channel, client], [], [], 1.0)[0]
+                if ended:  # the status comes with no byte on the channel's pipe: wait for it
+                    channel.status_event.wait(0.05)
+                    ready = select.select([client], [], [], 0)[0]
+                else:
+                    ready = select.select([channel, client], [], [], 1.0)[0]
                 if client in ready:
                     return  # the client went away (Ctrl-C, a timeout): the channel closes below
         finally:

@@ -85,17 +85,20 @@ def private_dir(path: Path) -> bool:
 
 
 def _identity(host) -> list:
-    fields = [host.user, host.address, host.port, host.key, host.known_hosts]
-    known = os.path.expanduser(host.known_hosts)
+    """What decides where and how `host` is reached, the pinned keys' contents included. A known_hosts
+    file that is not a regular file of bounded size is refused here as everywhere (InventoryError)."""
+    from .localfiles import KNOWN_HOSTS_MAX, read_regular
+
     try:
-        with open(known, "rb") as f:
-            fields.append(hashlib.sha256(f.read(8 << 20)).hexdigest())
-    except OSError:
-        fields.append(None)
-    return fields
+        known = read_regular(os.path.expanduser(host.known_hosts), KNOWN_HOSTS_MAX, "known_hosts file")
+    except FileNotFoundError:
+        known = None
+    digest = hashlib.sha256(known).hexdigest() if known is not None else None
+    return [host.user, host.address, host.port, host.key, host.known_hosts, digest]
 
 
 def socket_path(host, jump=None) -> Path:
+    """Where the master for `host` (through `jump`) listens. InventoryError: a special known_hosts."""
     ident = json.dumps([_identity(host), _identity(jump) if jump is not None else None])
     return control_dir() / (hashlib.sha256(ident.encode()).hexdigest()[:16] + ".sock")
 

@@ -9,6 +9,7 @@ key is refused, never trusted silently. Failures become one-line `dflash_ops.err
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import logging
 import os
@@ -52,6 +53,7 @@ STOP_SETTLE_EVERY_S = 0.25
 STDERR_TAIL_LINES = 5
 
 
+@functools.cache
 def linear_remote():
     """fabric's Remote runner, two things mended. Invoke's runner joins the whole captured output on
     every chunk read to feed its watchers: quadratic in the output's size (a 16 MiB log took 47 s); we
@@ -272,7 +274,7 @@ class HostSession:
         if self._shared_path is None:
             self._shared_path = False
             if self.share and not self.dry_run and mux.persist_seconds(self.host) > 0:
-                path = mux.socket_path(self.host, self.jump)
+                path = mux.socket_path(self.host, self.jump)  # a special known_hosts: InventoryError
                 if mux.usable(path) and mux.private_dir(path.parent):
                     self._shared_path = path
         return self._shared_path or None
@@ -280,7 +282,7 @@ class HostSession:
     def own_connection(self) -> None:
         """From now on, this session's commands go over a connection of its own, never a master's
         (doctor: the connection itself, the host key and the authentication, is what it checks)."""
-        self._shared_path = False
+        self.share, self._shared_path = False, None
 
     def _leave_master(self) -> None:
         """After a connection of our own: start a master for the next invocations, unless one serves."""

@@ -2,11 +2,13 @@
 
 import dataclasses
 import os
+import signal
 from pathlib import Path
 
 import pytest
 
 from dflash_ops import mux
+from dflash_ops.errors import InventoryError
 from dflash_ops.inventory import Host
 
 
@@ -63,3 +65,23 @@ def test_the_environment_overrides_the_inventory(monkeypatch, env, expected):
 def test_no_master_is_no_answer(control, tmp_path):
     assert mux.run(tmp_path / "none.sock", "true") is None
     assert not mux.answers(tmp_path / "none.sock") and not mux.stop(tmp_path / "none.sock")
+
+
+@pytest.mark.parametrize("special", ["fifo", "/dev/zero"])
+def test_a_special_known_hosts_is_refused_not_read(control, tmp_path, special):
+    path = special
+    if special == "fifo":
+        path = str(tmp_path / "fifo")
+        os.mkfifo(path)  # no writer: a plain open would wait forever
+
+    def stuck(*_):
+        raise TimeoutError("socket_path waited on the known_hosts file")
+
+    old = signal.signal(signal.SIGALRM, stuck)
+    signal.alarm(10)
+    try:
+        with pytest.raises(InventoryError, match="not a regular file"):
+            mux.socket_path(Host(name="h", address="h.example", known_hosts=path))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)

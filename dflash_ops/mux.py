@@ -108,6 +108,11 @@ def usable(path: Path) -> bool:
     return len(os.fsencode(path)) <= SUN_PATH_MAX
 
 
+def _send_header(sock: socket.socket, header: dict) -> None:
+    data = json.dumps(header).encode()
+    sock.sendall(struct.pack(">I", len(data)) + data)
+
+
 def _send(sock: socket.socket, kind: bytes, data: bytes = b"") -> None:
     sock.sendall(FRAME.pack(kind, len(data)) + data)
 
@@ -139,10 +144,15 @@ def run(path: Path, line: str, *, on_out=None, on_err=None, timeout: float | Non
     out: dict[bytes, list[str]] = {b"o": [], b"e": []}
     sinks = {b"o": on_out, b"e": on_err}
     started = False
+
+    def emit(kind: bytes, text: str) -> None:
+        if text:
+            out[kind].append(text)
+            if sinks[kind] is not None:
+                sinks[kind](text)
     with sock:
-        header = json.dumps({"line": line}).encode()
         try:
-            sock.sendall(struct.pack(">I", len(header)) + header)
+            _send_header(sock, {"line": line})
         except OSError:
             return None
         while True:
@@ -160,17 +170,10 @@ def run(path: Path, line: str, *, on_out=None, on_err=None, timeout: float | Non
             if kind == b"s":
                 started = True
             elif kind in out:
-                text = decoders[kind].decode(data)
-                if text:
-                    out[kind].append(text)
-                    if sinks[kind] is not None:
-                        sinks[kind](text)
+                emit(kind, decoders[kind].decode(data))
             elif kind == b"x":
                 for k, dec in decoders.items():
-                    if tail := dec.decode(b"", final=True):
-                        out[k].append(tail)
-                        if sinks[k] is not None:
-                            sinks[k](tail)
+                    emit(k, dec.decode(b"", final=True))
                 return "".join(out[b"o"]), "".join(out[b"e"]), int(data)
             elif kind == b"R":
                 raise Refused(data.decode("utf-8", "replace"))
@@ -184,8 +187,7 @@ def stop(path: Path) -> bool:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(str(path))
-        header = json.dumps({"exit": True}).encode()
-        sock.sendall(struct.pack(">I", len(header)) + header)
+        _send_header(sock, {"exit": True})
         sock.settimeout(10)
         return FRAME.unpack(_recv_exact(sock, FRAME.size))[0] == b"x"
     except (OSError, EOFError):
@@ -213,7 +215,6 @@ def start_master(host, jump, persist: int, path: Path) -> None:
     package_parent = str(Path(__file__).resolve().parent.parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (package_parent, os.environ.get("PYTHONPATH")) if p)}
-    env.pop(ENV, None)
     # sh puts it in the background and exits: the master is nobody's child here, and the task does
     # not wait for its connection.
     subprocess.run(["/bin/sh", "-c", 'exec "$@" </dev/null >/dev/null 2>&1 &', "sh", sys.executable,

@@ -299,17 +299,15 @@ class HostSession:
         path = self.shared_path()
         if path is None:
             return None
-        on_out = on_err = None
-        if show:
-            def on_out(text, stream=out_stream or sys.stdout):
+        def shown_on(stream):
+            def write(text):
                 stream.write(text)
                 stream.flush()
+            return write if show else None
 
-            def on_err(text, stream=err_stream or sys.stderr):
-                stream.write(text)
-                stream.flush()
         try:
-            got = mux.run(path, line, on_out=on_out, on_err=on_err, timeout=timeout)
+            got = mux.run(path, line, on_out=shown_on(out_stream or sys.stdout),
+                          on_err=shown_on(err_stream or sys.stderr), timeout=timeout)
         except mux.Refused:
             return None
         except TimeoutError:

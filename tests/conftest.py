@@ -14,7 +14,7 @@ temporary dir, or in $DFLASH_TEST_SANDBOX_STATE when set (kept between sessions,
 `template` (session-scoped): a deployed container's venv and tiny target, built once per run for
 all xdist workers; `ct_template.seed(template, sandbox)` gives them to a container so that its
 `invoke deploy` ships only the code. Tests about a fresh deploy use an unseeded container.
-$DFLASH_TEST_TEMPLATE: a dir that keeps the template between sessions (faster reruns).
+It is kept between runs in .test-cache/ (or $DFLASH_TEST_TEMPLATE; `off`: not kept).
 
 Tiers: each test gets the marker of its directory (tests/unit: `unit`, tests/integration and
 tests/conformance: `integration`, tests/remote: `training`), so `-m unit` selects a tier.
@@ -35,7 +35,7 @@ import traceback
 from pathlib import Path
 
 import pytest
-from ct_template import build_template, requirements_key
+from ct_template import build_template, prune, requirements_key
 from parallel import file_lock, run_dir, worker
 
 from dflash_ops import sandbox as sandbox_mod
@@ -170,10 +170,22 @@ def sandbox_factory(tmp_path_factory):
             sandbox_mod.down(sb.state_dir)
 
 
+# Where templates are kept between runs, as .venv is: git-ignored, one per key (ct_template.prune).
+KEPT_TEMPLATES = TESTS.parent / ".test-cache"
+
+
 @pytest.fixture(scope="session")
 def template(run_once):
-    """The run's deployed-container template (venv, tiny target), built by whichever worker asks first;
-    kept in $DFLASH_TEST_TEMPLATE when set (reused by later runs while the requirements are the same)."""
-    kept = os.environ.get("DFLASH_TEST_TEMPLATE")
-    return run_once(f"ct-template-{requirements_key()}", lambda out: build_template(out, bring_up),
-                    Path(kept) if kept else None)
+    """The deployed-container template (venv, tiny target), built by whichever worker asks first and
+    kept for later runs in .test-cache/ ($DFLASH_TEST_TEMPLATE=DIR: there instead; =off: this run's
+    temporary dir), used while what it is built from is unchanged (ct_template.requirements_key)."""
+    setting = os.environ.get("DFLASH_TEST_TEMPLATE", "")
+    kept = None if setting == "off" else Path(setting) if setting else KEPT_TEMPLATES
+    name = f"ct-template-{requirements_key()}"
+
+    def build(out: Path) -> None:
+        if kept is not None:
+            prune(kept, name)
+        build_template(out, bring_up)
+
+    return run_once(name, build, kept)

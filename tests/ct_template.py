@@ -14,12 +14,27 @@ from dflash_ops import sandbox as sandbox_mod
 REPO = Path(__file__).resolve().parents[1]
 
 
+# What a template is made from, besides the container's defaults: the pinned requirements (the venv),
+# the script that makes the tiny target, the deploy that runs both and records the torch check, and
+# this file. A template kept between runs is used only while all of them are unchanged.
+TEMPLATE_INPUTS = ("remote_scripts/requirements.txt", "remote_scripts/make_tiny_target.py",
+                   "dflash_ops/deploy.py", "dflash_ops/facts.py", "tests/ct_template.py")
+
+
 def requirements_key() -> str:
-    """What the template's venv is built from (the payload's pinned requirements, the container's
-    python), as deploy keys the venv."""
-    python = sandbox_mod.CONTAINER_DEFAULTS["python"].encode()
-    data = python + b"\0" + (REPO / "remote_scripts" / "requirements.txt").read_bytes()
-    return hashlib.sha256(data).hexdigest()[:16]
+    """The template's key: a hash of what it is built from (TEMPLATE_INPUTS, the container's python
+    and paths)."""
+    digest = hashlib.sha256(repr(sorted(sandbox_mod.CONTAINER_DEFAULTS.items())).encode())
+    for name in TEMPLATE_INPUTS:
+        digest.update(b"\0" + name.encode() + b"\0" + (REPO / name).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def prune(kept: Path, current: str) -> None:
+    """Remove the templates of other keys from the dir that keeps them (each holds a 1.4 GB venv)."""
+    for old in kept.glob("ct-template-*"):
+        if old.is_dir() and old.name != current:
+            subprocess.run(["rm", "-rf", str(old)], check=False)
 
 
 def build_template(out: Path, bring_up):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
+import preload
 import pytest
 
 REMOTE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "remote_scripts")
@@ -31,10 +31,10 @@ def tiny_target(tmp_path_factory) -> str:
 
 
 def run_script(script: str, *args: str, timeout: float = 600, env_extra: dict | None = None):
-    """Run a remote script as the toolkit does: a subprocess of the real CLI."""
+    """Run a remote script as the toolkit does, `python script args` in a process of its own; forked
+    from a server that has torch and transformers imported already (preload.py)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env_extra or {})}
-    return subprocess.run([sys.executable, os.path.join(REMOTE, script), *args], env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return preload.run([os.path.join(REMOTE, script), *args], env, timeout)
 
 
 def tiny_args(target: str, run_dir: str, *overrides: str) -> list[str]:

@@ -12,10 +12,11 @@ fresh process: only the third-party imports are done ahead, and none of the payl
 A fork is not a new interpreter in three ways, and the server guards each:
 - values that the interpreter, torch or transformers read from the environment at start-up come
   from the server's environment, not the request's (torch's thread count from OMP_NUM_THREADS, for
-  one): a request whose variables differ from the server's in any name IMPORT_TIME_ENV lists runs
-  as a plain subprocess;
+  one): a request is forked only by a server started with the same values of every variable
+  IMPORT_TIME_ENV names; other values get a server of their own (up to MAX_SERVERS, then plain
+  subprocesses);
 - a warning printed while importing would show once in the server, not in each run: a server whose
-  imports print anything refuses to start, and every run is a plain subprocess;
+  imports print anything refuses to start, and the runs with its settings are plain subprocesses;
 - a thread pool started before the fork would not exist in the child: the server runs no torch op.
 DFLASH_TEST_PRELOAD=0 turns it off (every run a plain subprocess), as does a server that fails to
 start. Tests about signals and process lifetimes start their scripts with subprocess themselves.
@@ -29,6 +30,7 @@ import json
 import os
 import runpy
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
@@ -159,9 +161,7 @@ class _Server:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
-        for name in os.listdir(self.dir):
-            os.unlink(os.path.join(self.dir, name))
-        os.rmdir(self.dir)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
     def run(self, argv: list[str], env: dict[str, str], cwd: str,
             timeout: float) -> subprocess.CompletedProcess:
@@ -215,26 +215,30 @@ def _text(chunks: list[bytes]) -> str:
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
-_server: _Server | None = None
-_server_failed = False
+_servers: dict[str, _Server] = {}  # by the start-up variables they were started with
+_failed: set[str] = set()  # settings whose server did not start: their runs are plain subprocesses
+MAX_SERVERS = 3  # each holds about 400 MB; a further setting runs as plain subprocesses
 
 
 def run(argv: list[str], env: dict[str, str], timeout: float,
         cwd: str | None = None) -> subprocess.CompletedProcess:
     """argv (a script and its arguments) run by this interpreter, as subprocess.run(capture_output=True,
-    text=True, stdin=DEVNULL) would: through the preloaded server when it can, else as a plain
-    subprocess. (stdin is never the worker's: an xdist worker's stdin is its channel to the controller.)"""
-    global _server, _server_failed
+    text=True, stdin=DEVNULL) would: forked by the server started with the same start-up variables
+    (started now if there is none), else as a plain subprocess. (stdin is never the worker's: an xdist
+    worker's stdin is its channel to the controller.)"""
     cwd = cwd or os.getcwd()
-    if os.environ.get("DFLASH_TEST_PRELOAD", "1") != "0" and not _server_failed and _server is None:
+    key = json.dumps(_env_read_at_import(env), sort_keys=True)
+    server = _servers.get(key)
+    if (server is None and os.environ.get("DFLASH_TEST_PRELOAD", "1") != "0" and key not in _failed
+            and len(_servers) < MAX_SERVERS):
         try:
-            _server = _Server(env)
-            atexit.register(_server.close)
+            server = _servers[key] = _Server(env)
+            atexit.register(server.close)
         except (OSError, RuntimeError, ValueError) as exc:
-            _server_failed = True
+            _failed.add(key)
             print(f"preload: running scripts as plain subprocesses ({exc})", file=sys.stderr)
-    if _server is not None and _env_read_at_import(env) == _server.import_env:
-        return _server.run(argv, env, cwd, timeout)
+    if server is not None:
+        return server.run(argv, env, cwd, timeout)
     return subprocess.run([sys.executable, *argv], env=env, cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, stdin=subprocess.DEVNULL)
 

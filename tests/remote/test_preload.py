@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -37,17 +38,31 @@ def probe(tmp_path_factory):
     return str(path)
 
 
+BASE = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}  # run_script's
+
+
 def both(probe, how, tmp_path, **env):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **env}
+    env = {**os.environ, **BASE, **env}
     plain = subprocess.run([sys.executable, probe, how], env=env, cwd=tmp_path, capture_output=True,
                            text=True, timeout=120, stdin=subprocess.DEVNULL)
     forked = preload.run([probe, how], env, 120, cwd=str(tmp_path))
     return plain, forked
 
 
+@pytest.fixture(scope="module")
+def servers():
+    """This module's servers, its own (closed at its end): the counts below see only them."""
+    own = {}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(preload, "_servers", own)
+        yield own
+    for server in own.values():
+        server.close()
+
+
 @pytest.fixture
-def forks(monkeypatch):
-    """The runs that went through the server."""
+def forks(servers, monkeypatch):
+    """The runs that went through a server."""
     seen = []
     real = preload._Server.run
 
@@ -72,14 +87,28 @@ def test_a_forked_run_is_a_plain_run(probe, how, tmp_path, forks):
 
 
 @pytest.mark.parametrize("variable", ["OMP_NUM_THREADS", "TORCH_SHOW_CPP_STACKTRACES", "PYTHONHASHSEED"])
-def test_a_variable_read_at_start_up_that_differs_makes_a_plain_run(probe, tmp_path, forks, variable):
-    """torch sizes its thread pool from OMP_NUM_THREADS when imported: a fork would keep the server's."""
-    both(probe, "0", tmp_path)  # the server is up, and the same settings do fork
-    assert len(forks) == 1
-    plain, other = both(probe, "0", tmp_path, **{variable: "2"})
-    assert len(forks) == 1 and other.returncode == 0 and other.stdout == plain.stdout
+def test_a_variable_read_at_start_up_that_differs_gets_a_server_started_with_it(probe, tmp_path, servers,
+                                                                                   forks, variable):
+    """torch sizes its thread pool from OMP_NUM_THREADS when imported: a fork keeps its server's."""
+    both(probe, "0", tmp_path)
+    for server in list(servers):
+        if server != json.dumps(preload._env_read_at_import({**os.environ, **BASE}), sort_keys=True):
+            servers.pop(server).close()  # room for this test's second server (MAX_SERVERS)
+    plain, other = both(probe, "0", tmp_path, **{variable: "1" if variable.startswith("TORCH") else "2"})
+    assert len(forks) == 2 and other.returncode == 0 and other.stdout == plain.stdout
     if variable == "OMP_NUM_THREADS":
         assert "threads 2" in other.stdout
+    assert len(servers) == 2
+
+
+def test_a_server_whose_imports_warn_is_not_used(probe, tmp_path, servers, forks, capsys):
+    """torch warns at import about an invalid TORCH_SHOW_CPP_STACKTRACES: each plain run shows it."""
+    plain, other = both(probe, "0", tmp_path, TORCH_SHOW_CPP_STACKTRACES="2")
+    assert forks == [] and "preload server did not start" in capsys.readouterr().err
+    assert "Ignoring invalid value for boolean flag TORCH_SHOW_CPP_STACKTRACES" in plain.stderr
+    assert (other.returncode, other.stdout, other.stderr) == (plain.returncode, plain.stdout, plain.stderr)
+    again = both(probe, "0", tmp_path)[1]  # other settings still fork
+    assert again.returncode == 0 and len(forks) == 1
 
 
 def test_a_timeout_kills_the_run_as_subprocess_run_does(probe, tmp_path):

@@ -98,9 +98,8 @@ def _serve(path: str, started_with: dict[str, str], imports_set: dict[str, str])
 def _become(request: dict) -> None:
     """In the forked child: the request's process state, as `python script args` would start with."""
     os.close(request["reply"])
-    for sig in (signal.SIGINT,):
-        signal.signal(sig, signal.default_int_handler)
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGPIPE):
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # what CPython sets at startup
     os.chdir(request["cwd"])

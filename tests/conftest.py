@@ -35,7 +35,7 @@ import traceback
 from pathlib import Path
 
 import pytest
-from ct_template import build_template, prune, requirements_key
+from ct_template import build_template, prune, template_key
 from parallel import file_lock, run_dir, worker
 
 from dflash_ops import sandbox as sandbox_mod
@@ -178,10 +178,10 @@ KEPT_TEMPLATES = TESTS.parent / ".test-cache"
 def template(run_once):
     """The deployed-container template (venv, tiny target), built by whichever worker asks first and
     kept for later runs in .test-cache/ ($DFLASH_TEST_TEMPLATE=DIR: there instead; =off: this run's
-    temporary dir), used while what it is built from is unchanged (ct_template.requirements_key)."""
+    temporary dir), used while what it is built from is unchanged (ct_template.template_key)."""
     setting = os.environ.get("DFLASH_TEST_TEMPLATE", "")
     kept = None if setting == "off" else Path(setting) if setting else KEPT_TEMPLATES
-    name = f"ct-template-{requirements_key()}"
+    name = f"ct-template-{template_key()}"
 
     def build(out: Path) -> None:
         if kept is not None:

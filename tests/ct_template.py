@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -18,10 +19,11 @@ REPO = Path(__file__).resolve().parents[1]
 # the script that makes the tiny target, the deploy that runs both and records the torch check, and
 # this file. A template kept between runs is used only while all of them are unchanged.
 TEMPLATE_INPUTS = ("remote_scripts/requirements.txt", "remote_scripts/make_tiny_target.py",
-                   "dflash_ops/deploy.py", "dflash_ops/facts.py", "tests/ct_template.py")
+                   "dflash_ops/deploy.py", "dflash_ops/facts.py", "dflash_ops/container_facts.py",
+                   "tests/ct_template.py")
 
 
-def requirements_key() -> str:
+def template_key() -> str:
     """The template's key: a hash of what it is built from (TEMPLATE_INPUTS, the container's python
     and paths)."""
     digest = hashlib.sha256(repr(sorted(sandbox_mod.CONTAINER_DEFAULTS.items())).encode())
@@ -34,7 +36,7 @@ def prune(kept: Path, current: str) -> None:
     """Remove the templates of other keys from the dir that keeps them (each holds a 1.4 GB venv)."""
     for old in kept.glob("ct-template-*"):
         if old.is_dir() and old.name != current:
-            subprocess.run(["rm", "-rf", str(old)], check=False)
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def build_template(out: Path, bring_up):

@@ -125,12 +125,14 @@ def default_state_dir() -> Path:
 # --- public API -------------------------------------------------------------------------------
 
 def up(state_dir=None, containers=(200,), hosts=1, *, stopped=(), inventory_path=DEFAULT_INVENTORY,
-       shm_size="1g", tiny_fit_steps=0, session_locale=None, logins=()) -> Sandbox:
+       shm_size="1g", tiny_fit_steps=0, session_locale=None, logins=(), cpuunits=None) -> Sandbox:
     """Bring the sandbox up: `hosts` sshd hosts, each with its containers; idempotent.
 
     `session_locale`: the LANG every SSH session gets (None: none, so the locale is C, as on a host
     without PAM; a client may still send LANG/LC_*, which sshd accepts). `logins`: existing local
-    users, besides root, who may log in with the client key (tests of `become: sudo`).
+    users, besides root, who may log in with the client key (tests of `become: sudo`). `cpuunits`:
+    the containers' CPU weight, Proxmox's key (None: $DFLASH_SANDBOX_CPUUNITS, else unset, 100);
+    pct gives each container a cgroup of that weight where the machine lets it (sandbox/pct).
 
     Host 1 gets `containers` (running) and `stopped` (created, kept stopped); host k gets the same
     ids shifted by (k-1) * span so ids stay unique (containers=(200,), hosts=2: 200 and 201).
@@ -140,12 +142,14 @@ def up(state_dir=None, containers=(200,), hosts=1, *, stopped=(), inventory_path
     state = Path(state_dir or default_state_dir()).resolve()
     changed = []
     key = _ensure_key(state / "client" / "id_ed25519", changed)
+    if cpuunits is None:
+        cpuunits = os.environ.get("DFLASH_SANDBOX_CPUUNITS") or None
     (state / "pip-cache").mkdir(exist_ok=True)
     Path("/run/sshd").mkdir(mode=0o755, parents=True, exist_ok=True)  # sshd's privilege-separation dir
     for index, (run_ids, stop_ids) in enumerate(_layout(containers, stopped, hosts), start=1):
         settings = {"node": f"pve{index}", "pip_cache": str(state / "pip-cache"),
                     "session_locale": session_locale, "logins": sorted(logins)}
-        _host_up(state, settings, key, run_ids, stop_ids, shm_size, changed)
+        _host_up(state, settings, key, run_ids, stop_ids, shm_size, cpuunits, changed)
     sandbox = _inspect(state, inventory_path)
     if _write_if_changed(sandbox.known_hosts, _known_hosts(sandbox)):
         changed.append("known_hosts written")
@@ -232,7 +236,7 @@ def _layout(containers, stopped, hosts):
             for k in range(hosts)]
 
 
-def _host_up(state, settings, key, run_ids, stop_ids, shm_size, changed):
+def _host_up(state, settings, key, run_ids, stop_ids, shm_size, cpuunits, changed):
     name = settings["node"]
     hdir = state / name
     (hdir / "bin").mkdir(parents=True, exist_ok=True)
@@ -255,7 +259,7 @@ def _host_up(state, settings, key, run_ids, stop_ids, shm_size, changed):
     for vmid in (*run_ids, *stop_ids):
         conf = lxc / f"{vmid}.conf"
         if not conf.exists():
-            conf.write_text(_container_conf(vmid, shm_size))
+            conf.write_text(_container_conf(vmid, shm_size, cpuunits))
             changed.append(f"{name}: ct {vmid} created")
     host = _host_state(hdir)
     for vmid in run_ids:
@@ -273,9 +277,10 @@ def _host_python() -> str:
     return "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else os.path.realpath(sys.executable)
 
 
-def _container_conf(vmid, shm_size) -> str:
+def _container_conf(vmid, shm_size, cpuunits=None) -> str:
     # Proxmox keys; the shm size is the usual LXC mount entry for a bigger /dev/shm.
-    return (f"arch: amd64\ncores: 2\nhostname: ct{vmid}\nmemory: 4096\nostype: debian\n"
+    weight = f"cpuunits: {cpuunits}\n" if cpuunits is not None else ""
+    return (f"arch: amd64\ncores: 2\n{weight}hostname: ct{vmid}\nmemory: 4096\nostype: debian\n"
             f"rootfs: sandbox:ct/{vmid}\nswap: 0\n"
             f"lxc.mount.entry: tmpfs dev/shm tmpfs size={shm_size},nosuid,nodev,create=dir 0 0\n")
 

@@ -45,6 +45,10 @@ TESTS = Path(__file__).resolve().parent
 # another's connection; tests/integration/test_mux.py turns it on for itself. Export
 # DFLASH_CONTROL_PERSIST=60 to run the whole suite with it on.
 os.environ.setdefault("DFLASH_CONTROL_PERSIST", "0")
+# The containers' processes (training runs a test keeps alive while it works the CLI) yield the CPU
+# to the tests' own processes: each container's cgroup weight is a quarter of Proxmox's default
+# (sandbox/pct, `cpuunits`). Export DFLASH_SANDBOX_CPUUNITS=100 for the default weight.
+os.environ.setdefault("DFLASH_SANDBOX_CPUUNITS", "25")
 TIERS = {"unit": "unit", "integration": "integration", "conformance": "integration", "remote": "training"}
 # Before a run has recorded durations, a guess per test: the slow tiers' files first.
 FIRST_RUN_SECONDS_PER_TEST = {"integration": 10.0, "remote": 3.0, "unit": 0.1}

@@ -1,5 +1,6 @@
 """The embedded Proxmox host behaves like one: real sshd, real pct messages and exit codes, real isolation."""
 
+import json
 import os
 import random
 import shlex
@@ -590,3 +591,28 @@ def test_down_stops_every_host(two_hosts):
     assert [h.sshd_pid for h in after.hosts] == [None, None]
     assert not [p for p in pids if os.path.exists(f"/proc/{p}")]
     assert [set(h.containers.values()) for h in after.hosts] == [{"stopped"}, {"stopped"}]
+
+
+def test_a_containers_processes_share_one_cgroup_weighted_by_its_cpuunits(sandbox_factory):
+    """Proxmox's cpuunits: the container's cgroup weight, which what `pct exec` starts joins, detached
+    or not (lxc-attach does); the cgroup goes with `pct stop`."""
+    sb = sandbox_factory(containers=(310,), cpuunits=30)
+    state = json.loads((Path(sb.state_dir) / "pve1" / "ct" / "310" / "init.json").read_text())
+    cgroup = state["cgroup"]
+    if cgroup is None:
+        pytest.skip("this machine gives no writable cpu cgroup controller (cgroup v2 or v1)")
+    v2 = os.path.isfile(os.path.join(cgroup, "cpu.weight"))
+    weight = Path(cgroup, "cpu.weight" if v2 else "cpu.shares").read_text().strip()
+    assert weight == ("30" if v2 else str(30 * 1024 // 100))
+    sleep = unique_sleep()
+    code, out, err = ssh(sb, f"pct exec 310 -- setsid -f {sleep} </dev/null >/dev/null 2>&1; "
+                             "pct exec 310 -- cat /proc/self/cgroup")
+    assert code == 0, err
+    relative = "/" + os.path.relpath(cgroup, "/sys/fs/cgroup" if v2 else "/sys/fs/cgroup/cpu")
+    assert any(line.split(":", 2)[2] == relative for line in out.splitlines()), out
+    wait_for(lambda: host_pids_running(sleep))
+    members = Path(cgroup, "cgroup.procs").read_text().split()
+    assert host_pids_running(sleep)[0] in members
+    code, _, err = ssh(sb, "pct stop 310")
+    assert code == 0, err
+    assert not os.path.exists(cgroup)

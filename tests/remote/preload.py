@@ -52,7 +52,7 @@ def _env_read_at_import(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV)}
 
 
-# -- the server (python preload.py SOCKET) ----------------------------------------------------------
+# -- the server (python preload.py SOCKET MODULE...) -----------------------------------------------
 
 def _serve(path: str, started_with: dict[str, str], imports_set: dict[str, str]) -> dict:
     """Accept requests until the worker goes; in a forked child, return the child's request."""
@@ -116,13 +116,13 @@ def _become(request: dict) -> None:
     sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
 
 
-def _server_main(path: str) -> None:
+def _server_main(path: str, modules: list[str]) -> None:
     started_with = dict(os.environ)
     captured = tempfile.TemporaryFile()
     saved = os.dup(2)
     os.dup2(captured.fileno(), 2)
     try:
-        for name in PRELOADED:
+        for name in modules:
             __import__(name)
     finally:
         sys.stderr.flush()
@@ -147,8 +147,9 @@ class _Server:
     def __init__(self, env: dict[str, str]):
         self.dir = tempfile.mkdtemp(prefix="dflash-preload-")
         self.path = os.path.join(self.dir, "s")
-        self.process = subprocess.Popen([sys.executable, os.path.abspath(__file__), self.path], env=env,
-                                        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+        argv = [sys.executable, os.path.abspath(__file__), self.path, *PRELOADED]  # PRELOADED as it is now
+        self.process = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                        text=True)
         line = self.process.stdout.readline()
         answer = json.loads(line) if line.startswith("{") else {}
         if not answer.get("ready"):
@@ -243,4 +244,4 @@ def run(argv: list[str], env: dict[str, str], timeout: float,
 
 
 if __name__ == "__main__":
-    _server_main(sys.argv[1])
+    _server_main(sys.argv[1], sys.argv[2:])

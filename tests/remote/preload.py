@@ -144,10 +144,10 @@ def _server_main(path: str, modules: list[str]) -> None:
 # -- the client (the tests' run_script) -------------------------------------------------------------
 
 class _Server:
-    def __init__(self, env: dict[str, str]):
+    def __init__(self, env: dict[str, str], modules: tuple[str, ...]):
         self.dir = tempfile.mkdtemp(prefix="dflash-preload-")
         self.path = os.path.join(self.dir, "s")
-        argv = [sys.executable, os.path.abspath(__file__), self.path, *PRELOADED]  # PRELOADED as it is now
+        argv = [sys.executable, os.path.abspath(__file__), self.path, *modules]
         self.process = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                         text=True)
         line = self.process.stdout.readline()
@@ -215,24 +215,31 @@ def _text(chunks: list[bytes]) -> str:
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
-_servers: dict[str, _Server] = {}  # by the start-up variables they were started with
+_servers: dict[str, _Server] = {}  # by server_key: their imports and start-up variables
 _failed: set[str] = set()  # settings whose server did not start: their runs are plain subprocesses
 MAX_SERVERS = 3  # each holds about 400 MB; a further setting runs as plain subprocesses
 
 
-def run(argv: list[str], env: dict[str, str], timeout: float,
-        cwd: str | None = None) -> subprocess.CompletedProcess:
+def server_key(env: dict[str, str], modules: tuple[str, ...]) -> str:
+    """Which server may fork a request: the same imports, the same start-up variables."""
+    return json.dumps([list(modules), _env_read_at_import(env)], sort_keys=True)
+
+
+def run(argv: list[str], env: dict[str, str], timeout: float, cwd: str | None = None,
+        modules: tuple[str, ...] | None = None) -> subprocess.CompletedProcess:
     """argv (a script and its arguments) run by this interpreter, as subprocess.run(capture_output=True,
     text=True, stdin=DEVNULL) would: forked by the server started with the same start-up variables
-    (started now if there is none), else as a plain subprocess. (stdin is never the worker's: an xdist
-    worker's stdin is its channel to the controller.)"""
+    (started now if there is none) and the same imports (`modules`, default PRELOADED), else as a plain
+    subprocess. (stdin is never the worker's: an xdist worker's stdin is its channel to the
+    controller.)"""
     cwd = cwd or os.getcwd()
-    key = json.dumps(_env_read_at_import(env), sort_keys=True)
+    modules = tuple(modules or PRELOADED)
+    key = server_key(env, modules)
     server = _servers.get(key)
     if (server is None and os.environ.get("DFLASH_TEST_PRELOAD", "1") != "0" and key not in _failed
             and len(_servers) < MAX_SERVERS):
         try:
-            server = _servers[key] = _Server(env)
+            server = _servers[key] = _Server(env, modules)
             atexit.register(server.close)
         except (OSError, RuntimeError, ValueError) as exc:
             _failed.add(key)

@@ -13,8 +13,9 @@ A fork is not a new interpreter in three ways, and the server guards each:
 - values that the interpreter, torch or transformers read from the environment at start-up come
   from the server's environment, not the request's (torch's thread count from OMP_NUM_THREADS, for
   one): a request is forked only by a server started with the same values of every variable
-  IMPORT_TIME_ENV names; other values get a server of their own (up to MAX_SERVERS, then plain
-  subprocesses);
+  IMPORT_TIME_ENV names and the same imports (`run(..., modules=)`: the compile-race workers' server
+  imports torch, dynamo and inductor instead); others get a server of their own (up to MAX_SERVERS,
+  then plain subprocesses);
 - a warning printed while importing would show once in the server, not in each run: a server whose
   imports print anything refuses to start, and the runs with its settings are plain subprocesses;
 - a thread pool started before the fork would not exist in the child: the server runs no torch op.
@@ -216,7 +217,7 @@ def _text(chunks: list[bytes]) -> str:
 
 
 _servers: dict[str, _Server] = {}  # by server_key: their imports and start-up variables
-_failed: set[str] = set()  # settings whose server did not start: their runs are plain subprocesses
+_failed: set[str] = set()  # keys whose server did not start: their runs are plain subprocesses
 MAX_SERVERS = 3  # each holds about 400 MB; a further setting runs as plain subprocesses
 
 

@@ -595,13 +595,16 @@ def test_down_stops_every_host(two_hosts):
 
 def test_a_containers_processes_share_one_cgroup_weighted_by_its_cpuunits(sandbox_factory):
     """Proxmox's cpuunits: the container's cgroup weight, which what `pct exec` starts joins, detached
-    or not (lxc-attach does); the cgroup goes with `pct stop`."""
+    or not (lxc-attach does); the cgroup goes with `pct stop`. The cgroup hangs right under the
+    controller's root, so the weight counts against the machine's other work, not only against the
+    host's other containers."""
     sb = sandbox_factory(containers=(310,), cpuunits=30)
     state = json.loads((Path(sb.state_dir) / "pve1" / "ct" / "310" / "init.json").read_text())
     cgroup = state["cgroup"]
     if cgroup is None:
         pytest.skip("this machine gives no writable cpu cgroup controller (cgroup v2 or v1)")
     v2 = os.path.isfile(os.path.join(cgroup, "cpu.weight"))
+    assert os.path.dirname(cgroup) == ("/sys/fs/cgroup" if v2 else "/sys/fs/cgroup/cpu"), cgroup
     weight = Path(cgroup, "cpu.weight" if v2 else "cpu.shares").read_text().strip()
     assert weight == ("30" if v2 else str(30 * 1024 // 100))
     sleep = unique_sleep()

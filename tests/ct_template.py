@@ -24,9 +24,10 @@ TEMPLATE_INPUTS = ("remote_scripts/requirements.txt", "remote_scripts/make_tiny_
 
 
 def template_key() -> str:
-    """The template's key: a hash of what it is built from (TEMPLATE_INPUTS, the container's python
-    and paths)."""
-    digest = hashlib.sha256(repr(sorted(sandbox_mod.CONTAINER_DEFAULTS.items())).encode())
+    """The template's key: a hash of what it is built from (TEMPLATE_INPUTS, the container's defaults
+    but the environment its runs get, which neither the venv nor the tiny target depends on)."""
+    shaping = {k: v for k, v in sandbox_mod.CONTAINER_DEFAULTS.items() if k not in ("env", "secret_env")}
+    digest = hashlib.sha256(repr(sorted(shaping.items())).encode())
     for name in TEMPLATE_INPUTS:
         digest.update(b"\0" + name.encode() + b"\0" + (REPO / name).read_bytes())
     return digest.hexdigest()[:16]

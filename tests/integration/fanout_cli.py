@@ -5,8 +5,9 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 ROW = re.compile(r"^[\s│┃]*(pve\d/\d+)[\s│┃]+(yes|NO)[\s│┃]+(.*?)[\s│┃]*$")  # a rich table row
@@ -29,13 +30,8 @@ class Cli:
                               capture_output=True, text=True, timeout=60)
 
     def wait_for(self, what, predicate, timeout=300.0):
-        """Poll until predicate() is truthy (a bound on a hang, not a timing check)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if predicate():
-                return
-            time.sleep(1)
-        raise AssertionError(f"gave up waiting for {what}")
+        """waiting.wait_for, every 2 s: the predicates here run the CLI."""
+        return wait_for(what, predicate, timeout, every=2.0)
 
 
 def rows(output: str) -> dict:

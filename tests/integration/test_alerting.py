@@ -66,7 +66,7 @@ def pgid(d, run):
 def test_check_and_watch_a_run_through_stall_resume_and_crash(deployed):
     d, hook = deployed, Receiver()
     d.train("victim", *LONG)
-    d.wait_for("the first step", lambda: d.status("victim")["step"])
+    d.wait_for("the first step", lambda: d.status("victim")["step"], every=2.0)
     code, line = check(d)
     assert code == 0 and line.startswith("OK - pve1/200: run victim running, step "), line
     assert " | step=" in line and " tok_s=" in line and " free_shm=" in line
@@ -249,7 +249,7 @@ def test_runs_and_prune_on_five_runs_leave_the_alive_run_alone(deployed):
     assert left == ["live", "r-new", "r-week"]
     assert d.container("ls", "/root/runs/r-new/checkpoints").stdout.split() == ["latest", "step-2", "step-3"]
     d.wait_for("the live run to go on", lambda: (s := d.status("live"))["state"] == "running" and
-               (s["step"] or 0) > step_before)
+               (s["step"] or 0) > step_before, every=2.0)
     assert "nothing to prune" in d.invoke("prune", "--keep", "2", "--older-than", "10d", "--yes").stdout
     d.invoke("stop", "--run", "live", "--grace", "0")
 

@@ -1,9 +1,9 @@
 """invoke clean-cache against the embedded host: frees, reports, refuses while a run holds the runs lock."""
 
 import shlex
-import time
 
 import pytest
+import waiting
 from deployed_box import box as make_box
 
 pytestmark = pytest.mark.integration
@@ -27,11 +27,8 @@ def lock_held(box) -> bool:
     return box.sh("flock -n /root/runs/.lock true", check=False).returncode != 0
 
 
-def wait_for(what, predicate, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
+def wait_for(what, predicate):
+    return waiting.wait_for(what, predicate, timeout=30.0, every=0.1)
 
 
 @pytest.fixture

@@ -7,12 +7,12 @@ import re
 import shutil
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 from deployed_box import deployed_box
+from waiting import wait_for
 
 from dflash_ops import container_facts, deploy, facts
 from dflash_ops.errors import RemoteCommandFailed
@@ -160,10 +160,8 @@ def test_a_failed_or_short_push_is_one_line_and_changes_nothing(box, tmp_mount, 
     assert box.snapshot() == before and left_in_tmp == []
     # The host's copy is removed too. The host's /tmp is this machine's, shared with the other
     # workers' sandboxes: the copy of a deploy running there comes and goes; one left by ours stays.
-    deadline = time.monotonic() + 60
-    while set(Path("/tmp").glob("dflash-deploy-200-*")) - host_tmps and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not set(Path("/tmp").glob("dflash-deploy-200-*")) - host_tmps
+    wait_for("no host copy but those there before",
+             lambda: not set(Path("/tmp").glob("dflash-deploy-200-*")) - host_tmps, timeout=60)
 
 
 def test_interrupted_deploy_keeps_the_previous_release_whole_and_runnable(box, tree_copy):

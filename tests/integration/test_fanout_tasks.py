@@ -12,7 +12,8 @@ from fanout_cli import Cli, rows
 
 pytestmark = pytest.mark.integration
 
-QUICK = ["--set", "data.heldout=null", "--set", "train.log_every=1", "--set", "train.save_every=1"]
+QUICK = ["--set", "data.heldout=null", "--set", "train.log_every=1", "--set", "train.save_every=1",
+         "--set", "train.batch_size=2", "--set", "data.num_anchors=4"]  # small steps
 
 
 @pytest.fixture(scope="module")

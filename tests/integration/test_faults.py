@@ -208,7 +208,8 @@ def test_sigkill_mid_checkpoint_then_train_resumes_losing_at_most_one_interval(d
     os.kill(pid, signal.SIGKILL)
 
     crashed = deployed.wait_for("the wrapper to record the kill",
-                                lambda: (s := deployed.status("killed"))["state"] != "running" and s)
+                                lambda: (s := deployed.status("killed"))["state"] != "running" and s,
+                                every=2.0)
     assert (crashed["state"], crashed["detail"]) == ("crashed", "killed by signal 9 (SIGKILL)")
     done = max(r["step"] for r in metric_records(deployed, "killed") if r["kind"] == "train")
     found = checkpoints_in(deployed, "/root/runs/killed")["final"]
@@ -269,7 +270,7 @@ def test_run_directory_filling_up_mid_run_is_named_and_the_torn_metrics_line_is_
         shrink_and_fill(deployed, "/root/runs/tear", "4m", leave_kib=76)
         st = deployed.wait_for("the run to die of the full disk",
                                lambda: (s := deployed.status("tear"))["state"] != "running" and s,
-                               timeout=300)
+                               timeout=300, every=2.0)
         assert st["state"] == "crashed" and st["step"], st
         # From a log line when one got through, else from the free space status reads.
         assert [f["runbook"] for f in st["findings"]] == ["docs/runbooks/disk-full.md"], st

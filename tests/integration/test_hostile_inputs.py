@@ -216,7 +216,7 @@ def test_secret_values_reach_the_process_and_show_nowhere_else(deployed, tmp_pat
             assert not any(part in text for text in shown), part
 
 
-QUICK_SETS = ["--set", "data.heldout=null"]
+QUICK_SETS = ["--set", "data.heldout=null", "--set", "train.batch_size=2", "--set", "data.num_anchors=4"]
 
 
 def deployed_env(deployed) -> dict:

@@ -60,7 +60,7 @@ def test_a_run_that_dies_in_the_window_is_crashed_with_its_last_error_line(deplo
 
 def test_a_finished_run_is_refused_without_more_steps_and_resumes_with_them(deployed):
     deployed.train("done", *QUICK, "--max-steps", "2")
-    deployed.wait_for("run done to finish", lambda: deployed.status("done")["state"] == "finished")
+    deployed.wait_for("run done to finish", lambda: deployed.status("done")["state"] == "finished", every=2.0)
     again = deployed.invoke("train", "--run", "done", *QUICK, "--max-steps", "2", check=False)
     assert again.returncode == 6, again
     assert again.stderr.strip() == (f"error: pve1/{CT}: run done finished at step 2/2: give --max-steps N to "
@@ -69,7 +69,7 @@ def test_a_finished_run_is_refused_without_more_steps_and_resumes_with_them(depl
     deployed.train("done", *QUICK, "--max-steps", "3")
     deployed.wait_for("run done to reach step 3",
                       lambda: (s := deployed.status("done"))["state"] == "finished"
-                      and s["step"] == 3)
+                      and s["step"] == 3, every=2.0)
 
 
 def test_warmup_then_train_never_launches_after_a_failed_warm_up(deployed):

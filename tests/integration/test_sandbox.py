@@ -16,6 +16,7 @@ from pathlib import Path
 
 import paramiko
 import pytest
+import waiting
 import yaml
 
 from dflash_ops import errors, transport
@@ -52,12 +53,8 @@ def host_pids_running(cmdline):
 
 
 def wait_for(condition):
-    """Poll (up to ~20 s) for something another process is about to do."""
-    for _ in range(2000):
-        if condition():
-            return
-        time.sleep(0.01)
-    raise AssertionError("condition never became true")
+    """Poll (up to 20 s) for something another process is about to do."""
+    return waiting.wait_for("a process to do what it was started for", condition, timeout=20.0, every=0.01)
 
 
 def _cmdline(pid):
@@ -90,7 +87,7 @@ def test_inventory_points_at_the_sandbox(sandbox):
     assert sorted(inv.containers) == [200, 201] and inv.default_container == 200
     raw = yaml.safe_load(Path(sandbox.inventory).read_text())["containers"][200]
     assert raw["roles"] == {"target": ["cpu"], "drafter": ["cpu", "cpu", "cpu"]}
-    assert raw["tiny_target"] is True and raw["env"]["OMP_NUM_THREADS"] == "2"
+    assert raw["tiny_target"] is True and raw["env"]["OMP_NUM_THREADS"] == "1"
     assert raw["pip_env"]["PIP_CACHE_DIR"] == sandbox_mod.PIP_CACHE_MOUNT
     known = Path(sandbox.known_hosts).read_text()
     assert known.startswith(f"[127.0.0.1]:{sandbox.port} ssh-ed25519 ")

@@ -8,11 +8,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from ct_template import seed
+from waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 CT = "200"
@@ -74,15 +74,7 @@ class Deployed:
     def status(self, run: str, *extra) -> dict:
         return json.loads(self.invoke("status", "--run", run, "--json", *extra).stdout)
 
-    def wait_for(self, what: str, predicate, timeout=240.0, every=0.5):
-        """Poll until predicate() is truthy; fail with `what` (a bound on a hang, not a timing check)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = predicate()
-            if value:
-                return value
-            time.sleep(every)
-        raise AssertionError(f"gave up waiting for {what}")
+    wait_for = staticmethod(wait_for)  # waiting.wait_for
 
     def wait_for_file(self, run: str, name: str, timeout=240.0) -> str:
         """Poll the run directory from the host (cheap: no invoke process competing for the 2 cores)."""

@@ -25,8 +25,7 @@ def test_tiny_run_lowers_loss_and_raises_acceptance_on_heldout(tiny_target, tmp_
 
     run = str(tmp_path / "run")
     started = time.perf_counter()
-    result = run_script("train_dflash.py", *tiny_args(tiny_target, run), timeout=900,
-                        env_extra={"OMP_NUM_THREADS": "2"})
+    result = run_script("train_dflash.py", *tiny_args(tiny_target, run), timeout=900)
     wall = time.perf_counter() - started
     assert result.returncode == 0, result.stderr[-3000:]
     evals = read_metrics(run, "eval")

@@ -48,6 +48,12 @@ def build_template(out: Path, bring_up):
         r = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, (f"template deploy: exit {r.returncode}\n"
                                    f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+        # The deploy's pip writes no bytecode (deploy.VENV_SCRIPT): compile the venv once here, or
+        # every container seeded from it would compile what its runs import. Exit status not checked:
+        # compileall reports files it cannot compile (tests and templates written for other Pythons).
+        venv = sandbox_mod.CONTAINER_DEFAULTS["paths"]["venv"]
+        subprocess.run([str(sb.pct), "exec", "200", "--", f"{venv}/bin/python", "-m", "compileall", "-q",
+                        "-j", "0", venv], capture_output=True, timeout=900)
         model = sandbox_mod.CONTAINER_DEFAULTS["paths"]["model"]
         with open(out / "model.tar", "wb") as f:
             subprocess.run([str(sb.pct), "exec", "200", "--", "tar", "-C", os.path.dirname(model), "-cf", "-",

@@ -29,8 +29,8 @@ def trained(deployed):
                     "--set", "train.save_every=10", "--set", "train.eval_every=10",
                     "--set", "data.train=/root/data/train.jsonl",
                     "--set", "data.heldout=/root/data/heldout.jsonl")
-    deployed.wait_for("the run to finish", lambda: deployed.status(RUN)["state"] == "finished", timeout=600,
-                      every=2)
+    deployed.invoke("logs", "--follow", "--run", RUN, "-n", "0", timeout=600)  # returns when the run ends
+    assert deployed.status(RUN)["state"] == "finished"
     return deployed
 
 

@@ -60,16 +60,17 @@ def test_a_run_that_dies_in_the_window_is_crashed_with_its_last_error_line(deplo
 
 def test_a_finished_run_is_refused_without_more_steps_and_resumes_with_them(deployed):
     deployed.train("done", *QUICK, "--max-steps", "2")
-    deployed.wait_for("run done to finish", lambda: deployed.status("done")["state"] == "finished", every=2.0)
+    deployed.invoke("logs", "--follow", "--run", "done", "-n", "0", timeout=300)  # returns when the run ends
+    assert deployed.status("done")["state"] == "finished"
     again = deployed.invoke("train", "--run", "done", *QUICK, "--max-steps", "2", check=False)
     assert again.returncode == 6, again
     assert again.stderr.strip() == (f"error: pve1/{CT}: run done finished at step 2/2: give --max-steps N to "
                                     f"continue, or a new --run name")
     assert deployed.run_file("done", "exit_code").strip() == "0"  # nothing was launched over it
     deployed.train("done", *QUICK, "--max-steps", "3")
-    deployed.wait_for("run done to reach step 3",
-                      lambda: (s := deployed.status("done"))["state"] == "finished"
-                      and s["step"] == 3, every=2.0)
+    deployed.invoke("logs", "--follow", "--run", "done", "-n", "0", timeout=300)
+    final = deployed.status("done")
+    assert (final["state"], final["step"]) == ("finished", 3)
 
 
 def test_warmup_then_train_never_launches_after_a_failed_warm_up(deployed):

@@ -9,15 +9,23 @@ max_length so that every step has the same shapes (one compiled graph, no recomp
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import os
+import tempfile
 from dataclasses import dataclass
 
+import chat_formats
 import provenance
 import torch
-from chat_formats import DataError, Row, prompt_key, read_dataset
+from chat_formats import DataError, Row, data_files, prompt_key, read_dataset
 
 __all__ = ["DataError", "Row", "read_conversations", "load_examples", "data_report", "collate",
            "Sampler"]
 OVERLAP_WARN_FRACTION = 0.01
+# Tokenized data kept in data.cache_dir: the newest entries, by last use.
+CACHE_KEEP = 8
+CACHE_SUFFIX = ".tokens.pt"
 
 
 def read_conversations(path: str, max_bad_fraction: float = 0.05, log=None) -> list[list[dict]]:
@@ -41,8 +49,12 @@ def tokenize_conversation(tokenizer, turns, header: str, end: str, max_length: i
     text = tokenizer.apply_chat_template(turns, tokenize=False)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     spans = assistant_spans(text, header, end)
-    mask = [int(any(a <= s < b for a, b in spans) and e > s) for s, e in encoded["offset_mapping"]]
-    return encoded["input_ids"][:max_length], mask[:max_length]
+    offsets = encoded["offset_mapping"][:max_length]
+    return encoded["input_ids"][:max_length], [int(e > s and _in_spans(s, spans)) for s, e in offsets]
+
+
+def _in_spans(offset: int, spans: list[tuple[int, int]]) -> bool:
+    return any(a <= offset < b for a, b in spans)
 
 
 @dataclass
@@ -53,16 +65,121 @@ class Example:
 
 
 def load_examples(path: str, tokenizer, header: str, end: str, max_length: int,
-                  max_bad_fraction: float = 0.05, log=None) -> list[Example]:
+                  max_bad_fraction: float = 0.05, log=None, limit: int | None = None,
+                  cache_dir: str | None = None) -> list[Example]:
+    """Every usable conversation of `path` as an Example (token ids, loss mask, prompt key).
+
+    limit: stop tokenizing once that many examples are found (every row is still read and checked).
+    cache_dir: keep the result there, keyed by everything it depends on (the data files' bytes, the
+    tokenizer and its chat template, the arguments, this code), and read it back instead of
+    tokenizing again; the read's report lines go to `log` either way. A cache that cannot be read
+    or written is a line in the log, never an error."""
+    key = None
+    if cache_dir and limit is None and getattr(tokenizer, "backend_tokenizer", None) is not None:
+        key = cache_key(path, tokenizer, header, end, max_length, max_bad_fraction)
+        cached = _read_cache(cache_dir, key, log)
+        if cached is not None:
+            return cached
+    lines = []
+
+    def keep(line):
+        lines.append(line)
+        if log:
+            log(line)
+
     examples = []
-    for turns in read_conversations(path, max_bad_fraction, log):
+    for turns in read_conversations(path, max_bad_fraction, keep):
         ids, mask = tokenize_conversation(tokenizer, turns, header, end, max_length)
         if sum(mask[:-1]) > 0:  # an anchor needs a masked token with one after it
             examples.append(Example(ids, mask, prompt_key(turns)))
+            if limit is not None and len(examples) >= limit:
+                break
     if not examples:
         raise DataError(f"{path}: no conversation has assistant tokens (assistant_header "
                         f"{header!r} not found in the rendered chat template?)")
+    if key:
+        _write_cache(cache_dir, key, examples, lines, log)
     return examples
+
+
+def cache_key(path: str, tokenizer, header: str, end: str, max_length: int, max_bad_fraction: float) -> str:
+    """What load_examples' result depends on, hashed: a change to any of it is a new key."""
+    digest = hashlib.sha256()
+
+    def part(value) -> None:
+        data = value if isinstance(value, bytes) else repr(value).encode()
+        digest.update(len(data).to_bytes(8, "little") + data)
+
+    for module in (__file__, chat_formats.__file__):  # the code that reads and tokenizes
+        with open(module, "rb") as f:
+            part(f.read())
+    part((header, end, max_length, max_bad_fraction))
+    # The tokenizer as it tokenizes: its full definition (vocabulary, merges, normalizer, added
+    # tokens) and the chat template that renders the turns.
+    part(tokenizer.backend_tokenizer.to_str())
+    part(tokenizer.chat_template)
+    for shard in data_files(path):
+        part(os.path.basename(shard))
+        with open(shard, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        part(b"")
+    return digest.hexdigest()[:32]
+
+
+def _read_cache(cache_dir: str, key: str, log) -> list[Example] | None:
+    path = os.path.join(os.path.expanduser(cache_dir), key + CACHE_SUFFIX)
+    if not os.path.exists(path):
+        return None
+    try:
+        saved = torch.load(path, weights_only=True)
+        lengths = saved["lengths"].tolist()
+        ids, masks, prompts = saved["ids"].tolist(), saved["mask"].tolist(), saved["prompts"]
+        if len(prompts) != len(lengths) or sum(lengths) != len(ids) or len(ids) != len(masks):
+            raise ValueError("inconsistent lengths")
+        lines = [str(line) for line in saved["log"]]
+        os.utime(path)  # last use: pruning keeps what is used
+    except Exception as exc:  # noqa: BLE001 - a damaged entry is tokenized again and replaced
+        if log:
+            log(f"tokenized cache {path}: unreadable ({type(exc).__name__}: {exc}); tokenizing again")
+        return None
+    examples, start = [], 0
+    for length, prompt in zip(lengths, prompts, strict=True):
+        examples.append(Example(ids[start:start + length], masks[start:start + length], prompt))
+        start += length
+    for line in lines:
+        if log:
+            log(line)
+    if log:
+        log(f"{len(examples)} tokenized conversations from the cache ({path})")
+    return examples
+
+
+def _write_cache(cache_dir: str, key: str, examples: list[Example], lines: list[str], log) -> None:
+    where = os.path.expanduser(cache_dir)
+    saved = {"ids": torch.tensor([t for e in examples for t in e.input_ids], dtype=torch.int64),
+             "mask": torch.tensor([m for e in examples for m in e.loss_mask], dtype=torch.uint8),
+             "lengths": torch.tensor([len(e.input_ids) for e in examples], dtype=torch.int64),
+             "prompts": [e.prompt for e in examples], "log": lines}
+    tmp = None
+    try:
+        os.makedirs(where, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=where, prefix=".tmp-", suffix=CACHE_SUFFIX)
+        with os.fdopen(fd, "wb") as f:
+            torch.save(saved, f)
+        os.replace(tmp, os.path.join(where, key + CACHE_SUFFIX))
+        tmp = None
+        entries = sorted((e for e in os.scandir(where) if e.name.endswith(CACHE_SUFFIX)
+                          and not e.name.startswith(".")), key=lambda e: e.stat().st_mtime, reverse=True)
+        for old in entries[CACHE_KEEP:]:
+            os.remove(old.path)
+    except OSError as exc:
+        if log:
+            log(f"tokenized cache {where}: not written ({exc.strerror or exc}); the run goes on")
+    finally:
+        if tmp:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
 
 
 def data_report(paths: list[str], target_path: str, train: list[Example], heldout: list[Example],

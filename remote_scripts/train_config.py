@@ -87,12 +87,15 @@ class DataConfig:
     # true: refuse data whose assistant turns were not written by this target (teacher-forced
     # acceptance on someone else's answers says little about real speculative decoding)
     require_target_answers: bool = False
+    # where tokenized data is kept between launches (dflash_data.load_examples); null: tokenize every time
+    cache_dir: str | None = "~/.cache/dflash/data"
 
     def __post_init__(self):
         _check_types(self, "data")
         _check(bool(self.train), "data.train", "is required")
         _check(0 <= self.max_bad_fraction < 1, "data.max_bad_fraction", "must be in [0, 1)")
         _check(self.heldout is None or bool(self.heldout), "data.heldout", "must be null or a path")
+        _check(self.cache_dir is None or bool(self.cache_dir), "data.cache_dir", "must be null or a path")
         _check(self.max_length >= 4, "data.max_length", "must be >= 4")
         _check(self.num_anchors >= 1, "data.num_anchors", "must be >= 1")
         for name in ("assistant_header", "end_of_turn"):

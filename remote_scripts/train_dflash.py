@@ -144,7 +144,8 @@ def load_data(config, tokenizer, target_path: str, run_dir: str) -> tuple[list, 
     and RUN/data.json."""
     read = dict(tokenizer=tokenizer, header=config.data.assistant_header,
                 end=config.data.end_of_turn, max_length=config.data.max_length,
-                max_bad_fraction=config.data.max_bad_fraction, log=lambda line: log.info("data: %s", line))
+                max_bad_fraction=config.data.max_bad_fraction, log=lambda line: log.info("data: %s", line),
+                cache_dir=config.data.cache_dir)
     data_paths = [resolve_path(p) for p in (config.data.train, config.data.heldout) if p]
     train_examples = load_examples(data_paths[0], **read)
     heldout_examples = load_examples(data_paths[1], **read) if config.data.heldout else []

@@ -58,9 +58,10 @@ def configured_devices(config: Config) -> tuple[list[str], list[str]]:
 
 
 def one_batch_of_examples(config: Config, tokenizer) -> list:
-    """The training data's first train.batch_size examples: what a warm-up or `plan` steps on."""
+    """The training data's first train.batch_size examples: what a warm-up or `plan` steps on (only
+    those are tokenized; every row is still read and checked)."""
     return load_examples(resolve_path(config.data.train), tokenizer, config.data.assistant_header,
-                         config.data.end_of_turn, config.data.max_length)[: config.train.batch_size]
+                         config.data.end_of_turn, config.data.max_length, limit=config.train.batch_size)
 
 
 def check_attention(config: Config, drafter_devices: list[str]) -> None:

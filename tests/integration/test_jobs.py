@@ -108,6 +108,8 @@ def test_stop_checkpoints_then_the_same_name_resumes(deployed):
     deployed.train("resume", "--max-steps", str(stopped_at + 1))  # the schedule stays 300 steps
     log = deployed.invoke("logs", "--follow", "--run", "resume", "-n", "1000", timeout=300).stdout
     assert f"resumed from /root/runs/resume/checkpoints/step-{stopped_at} at step {stopped_at}" in log
+    # The relaunch read its data back from the container's tokenized cache (data.cache_dir).
+    assert "tokenized conversations from the cache (/root/.cache/dflash/data/" in log
     final = deployed.status("resume")
     assert (final["state"], final["step"]) == ("finished", stopped_at + 1)
 

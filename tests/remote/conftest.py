@@ -15,6 +15,12 @@ if REMOTE not in sys.path:
     sys.path.insert(0, REMOTE)
 
 TINY_CONFIG = os.path.join(REMOTE, "configs", "tiny-cpu.yaml")
+DATA_CACHE = []  # this session's tokenized-data cache (data.cache_dir), shared by the runs tiny_args makes
+
+
+@pytest.fixture(scope="session", autouse=True)
+def data_cache(tmp_path_factory):
+    DATA_CACHE[:] = [str(tmp_path_factory.mktemp("data-cache"))]
 
 
 @pytest.fixture(scope="session")
@@ -38,9 +44,10 @@ def run_script(script: str, *args: str, timeout: float = 600, env_extra: dict | 
 
 
 def tiny_args(target: str, run_dir: str, *overrides: str) -> list[str]:
-    """Arguments for a short tiny-cpu run: our target, our run dir, quick logging."""
+    """Arguments for a short tiny-cpu run: our target, our run dir, the session's data cache."""
     args = ["--config", TINY_CONFIG, "--run-dir", run_dir, "--set", f"target.path={target}",
-            "--set", f"compile.cache_dir={run_dir}/inductor"]
+            "--set", f"compile.cache_dir={run_dir}/inductor",
+            "--set", f"data.cache_dir={DATA_CACHE[0] if DATA_CACHE else os.path.join(run_dir, 'data-cache')}"]
     for override in overrides:
         args += ["--set", override]
     return args

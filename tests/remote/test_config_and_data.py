@@ -6,6 +6,7 @@ import json
 import os
 
 import checkpoints
+import dflash_data
 import pytest
 import yaml
 from conftest import REMOTE, TINY_CONFIG
@@ -124,3 +125,111 @@ def test_checkpoint_write_is_atomic_and_latest_points_at_complete_ones(tmp_path)
     assert not os.path.exists(os.path.join(root, "step-4"))
     os.remove(os.path.join(root, "latest"))  # a lost pointer falls back to the highest step
     assert checkpoints.latest_checkpoint(run).endswith("step-3")
+
+
+# --- the tokenized-data cache (data.cache_dir) and the warm-up's first batch ------------------------
+
+HEADER, END = "<|im_start|>assistant\n", "<|im_end|>"
+
+
+def _load(path, tokenizer, cache_dir, **kw):
+    lines = []
+    examples = load_examples(str(path), tokenizer, HEADER, END, 64, log=lines.append,
+                             cache_dir=str(cache_dir), **kw)
+    return examples, lines
+
+
+def _entries(cache_dir):
+    return sorted(p.name for p in cache_dir.glob(f"*{dflash_data.CACHE_SUFFIX}"))
+
+
+@pytest.fixture()
+def heldout_copy(tmp_path):
+    path = tmp_path / "heldout.jsonl"
+    path.write_bytes(open(os.path.join(REMOTE, "data", "heldout.jsonl"), "rb").read())
+    return path
+
+
+def test_tokenized_data_is_read_back_from_the_cache_with_its_report(tiny_target, tmp_path, heldout_copy,
+                                                                     monkeypatch):
+    from target_model import load_tokenizer
+
+    tokenizer, cache = load_tokenizer(tiny_target), tmp_path / "cache"
+    first, first_lines = _load(heldout_copy, tokenizer, cache)
+    assert len(_entries(cache)) == 1 and first_lines
+    uncached = load_examples(str(heldout_copy), tokenizer, HEADER, END, 64)
+    assert first == uncached
+
+    def no_tokenizing(*args, **kwargs):
+        raise AssertionError("tokenized although the cache holds this data")
+
+    monkeypatch.setattr(dflash_data, "tokenize_conversation", no_tokenizing)
+    again, lines = _load(heldout_copy, tokenizer, cache)
+    assert again == first
+    assert lines[:-1] == first_lines  # the read's report, as it was
+    assert lines[-1].startswith(f"{len(first)} tokenized conversations from the cache")
+
+
+@pytest.mark.parametrize("change", ["data", "chat_template", "max_length"])
+def test_what_the_tokens_depend_on_changing_is_a_new_entry(tiny_target, tmp_path, heldout_copy, change):
+    from target_model import load_tokenizer
+
+    tokenizer, cache = load_tokenizer(tiny_target), tmp_path / "cache"
+    first, _ = _load(heldout_copy, tokenizer, cache)
+    max_length = 64
+    if change == "data":
+        rows = heldout_copy.read_text().splitlines()
+        heldout_copy.write_text("\n".join(rows[1:]) + "\n")
+    elif change == "chat_template":
+        content = "+ message['content']"  # each turn rendered with a word before it
+        assert content in tokenizer.chat_template
+        tokenizer.chat_template = tokenizer.chat_template.replace(content, "+ 'ok ' " + content)
+    else:
+        max_length = 32
+    lines = []
+    second = load_examples(str(heldout_copy), tokenizer, HEADER, END, max_length, log=lines.append,
+                           cache_dir=str(cache))
+    assert len(_entries(cache)) == 2
+    assert not any("from the cache" in line for line in lines)
+    assert second == load_examples(str(heldout_copy), tokenizer, HEADER, END, max_length) != first
+
+
+def test_a_damaged_or_unwritable_cache_is_a_log_line_and_the_data_still_loads(tiny_target, tmp_path,
+                                                                               heldout_copy):
+    from target_model import load_tokenizer
+
+    tokenizer, cache = load_tokenizer(tiny_target), tmp_path / "cache"
+    first, _ = _load(heldout_copy, tokenizer, cache)
+    [entry] = _entries(cache)
+    (cache / entry).write_bytes(b"not a torch file")
+    again, lines = _load(heldout_copy, tokenizer, cache)
+    assert again == first and any("unreadable" in line for line in lines)
+    assert _load(heldout_copy, tokenizer, cache)[1][-1].startswith(f"{len(first)} tokenized")  # replaced
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    examples, lines = _load(heldout_copy, tokenizer, blocked / "cache")
+    assert examples == first and "not written" in lines[-1]
+
+
+def test_the_cache_keeps_its_newest_entries(tiny_target, tmp_path, heldout_copy):
+    from target_model import load_tokenizer
+
+    tokenizer, cache = load_tokenizer(tiny_target), tmp_path / "cache"
+    rows = heldout_copy.read_text().splitlines()
+    for n in range(dflash_data.CACHE_KEEP + 2):
+        heldout_copy.write_text("\n".join(rows[n:]) + "\n")
+        _load(heldout_copy, tokenizer, cache)
+    assert len(_entries(cache)) == dflash_data.CACHE_KEEP
+    assert not [p for p in cache.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_the_first_batch_tokenizes_only_that_batch(tiny_target, heldout_copy, monkeypatch):
+    from target_model import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_target)
+    full = load_examples(str(heldout_copy), tokenizer, HEADER, END, 64)
+    calls = []
+    real = dflash_data.tokenize_conversation
+    monkeypatch.setattr(dflash_data, "tokenize_conversation", lambda *a: calls.append(1) or real(*a))
+    first = load_examples(str(heldout_copy), tokenizer, HEADER, END, 64, limit=4)
+    assert first == full[:4] and len(calls) == 4 < len(full)

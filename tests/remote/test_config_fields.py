@@ -34,6 +34,7 @@ data.assistant_header        | 1       | ""
 data.end_of_turn             | [x]     | ""
 data.max_bad_fraction        | some    | 1
 data.require_target_answers  | maybe   | -
+data.cache_dir               | 5       | ""
 train.run_dir                | 7       | ""
 train.seed                   | abc     | -1
 train.batch_size             | 1.5     | 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import random
 
 import provenance
 import pytest
@@ -140,6 +141,9 @@ def test_bad_data_through_training_is_one_line(tiny_target, tmp_path, name, writ
 
 TEN_MB_ROW = json.dumps({"conversations": [{"from": "human", "value": "x " * (5 << 20)},
                                            {"from": "gpt", "value": "ok"}]})
+# Bytes that are not text; the first row starts with one that UTF-8 never has (random bytes could
+# start with blank lines, which are skipped: then the first bad row would not be row 1).
+BINARY = b"\xff" + random.Random(0).randbytes(1 << 16) + bytes(range(256)) * 64
 NO_ANSWER_ROW = json.dumps({"conversations": [{"from": "human", "value": "count from 1 to 3"}]})
 
 
@@ -149,7 +153,7 @@ def _write(text):
 
 @pytest.mark.parametrize("name, write, message", [
     ("empty.jsonl", _empty, "empty.jsonl: empty file"),
-    ("binary.jsonl", lambda p: open(p, "wb").write(os.urandom(1 << 16) + bytes(range(256)) * 64),
+    ("binary.jsonl", lambda p: open(p, "wb").write(BINARY),
      "binary.jsonl row 1: not JSON"),
     ("no-answer.jsonl", _write(NO_ANSWER_ROW + "\n"),
      "1 of 1 rows unusable, over the 5% limit (data.max_bad_fraction) "

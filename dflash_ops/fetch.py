@@ -54,6 +54,33 @@ for f; do
   printf '%s %s %s\n' "$f" "$s" "${h%% *}"
 done'''
 
+# The host's private dir for one fetch, made by `mktemp -d`, with `.owner`: the pid and start time of
+# the sshd process that serves this fetch's connection. A fetch killed outright (SIGKILL, a lost
+# client) cannot remove its dir and the copy of the checkpoint in it, so each fetch first removes the
+# dirs (root's own, in /tmp) whose sshd is gone: a fetch still running keeps its connection, so its
+# dir stays. A dir without `.owner` (a fetch between mktemp and the write) stays unless a day old.
+# field PID N: the Nth field of /proc/PID/stat after the comm (2: the ppid, 20: the start time).
+HOST_TEMP = r'''field() {
+  n=$2; s=$(cat "/proc/$1/stat" 2>/dev/null) || return 1; set -- ${s##*) }; eval "echo \"\${$n}\""
+}
+is_sshd() { case $(cat "/proc/$1/comm" 2>/dev/null) in sshd*) return 0;; esac; return 1; }
+for d in /tmp/dflash-fetch.*; do
+  [ -d "$d" ] && [ ! -L "$d" ] && [ -O "$d" ] || continue
+  if [ -f "$d/.owner" ]; then
+    read -r pid start < "$d/.owner" || continue
+    case $pid in ''|*[!0-9]*) continue;; esac
+    [ "$(field "$pid" 20)" = "$start" ] && continue
+  elif [ -z "$(find "$d" -maxdepth 0 -mmin +1440)" ]; then
+    continue
+  fi
+  rm -rf -- "$d"
+done
+d=$(mktemp -d /tmp/dflash-fetch.XXXXXX) || exit 1
+p=$$
+while [ "$p" -gt 1 ] && ! is_sshd "$p"; do p=$(field "$p" 2) || break; done
+if [ "$p" -gt 1 ]; then printf '%s %s\n' "$p" "$(field "$p" 20)" > "$d/.owner"; fi
+printf '%s\n' "$d"'''
+
 
 class ChecksumMismatch(DflashOpsError, exit_status=ExitStatus.CHECKSUM_MISMATCH):
     pass
@@ -311,7 +338,7 @@ def fetch(t, run: str, to: str, checkpoint: str = "latest", force: bool = False,
 
     previous = (signal.signal(signal.SIGTERM, _terminate)
                 if threading.current_thread() is threading.main_thread() else None)
-    host_tmp = session.run("mktemp -d /tmp/dflash-fetch.XXXXXX").stdout.strip()
+    host_tmp = session.run(commands.shell_line(["sh", "-c", HOST_TEMP, "sh"])).stdout.strip()
     if not HOST_TMP.fullmatch(host_tmp):
         raise UntrustedData(f"{ct.host.name}: mktemp answered {terminal.visible(host_tmp)[:100]!r}")
     dir_fd = tmp_fd = None

@@ -8,9 +8,13 @@ No deploy: fetch needs only the container's system python.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
+import shutil
 import subprocess
+import tempfile
+import time
 import uuid
 
 import pytest
@@ -164,6 +168,49 @@ def test_a_failed_pull_names_its_cause_and_leaves_nothing(box, tmp_path, habit, 
     assert not (tmp_path / "out").exists() or list((tmp_path / "out").rglob("*")) == []
 
 
+def host_temp_dirs() -> list[str]:
+    """The host's fetch dirs (the embedded host's /tmp is this machine's) with an owner and a weights file."""
+    return [d for d in glob.glob("/tmp/dflash-fetch.*")
+            if all(os.path.exists(os.path.join(d, name)) for name in (".owner", "model.safetensors"))]
+
+
+def test_a_fetch_removes_the_host_dirs_of_fetches_whose_connection_is_gone(box, tmp_path):
+    """Only root's own dirs whose `.owner` names a process that no longer runs (or, without `.owner`,
+    a day old); a live owner's dir, another user's, a symlink and a fresh unowned dir stay."""
+    in_container(box, f"rm -rf /root/runs/{RUN}")
+    good_checkpoint(box, f"{ROOT}/step-3")
+    alive = subprocess.Popen(["sleep", "600"])
+    gone = subprocess.Popen(["sleep", "600"])
+    started = {p.pid: open(f"/proc/{p.pid}/stat").read().rsplit(") ", 1)[1].split()[19]  # field 22
+               for p in (alive, gone)}
+    gone.kill()
+    gone.wait()
+    made = {}
+    try:
+        for name, owner in (("gone", gone.pid), ("alive", alive.pid), ("old", None), ("fresh", None),
+                            ("other-user", gone.pid)):
+            made[name] = tempfile.mkdtemp(prefix="dflash-fetch.", dir="/tmp")
+            if owner:
+                with open(os.path.join(made[name], ".owner"), "w") as f:
+                    f.write(f"{owner} {started[owner]}\n")
+        old_time = time.time() - 2 * 86400
+        os.utime(made["old"], (old_time, old_time))
+        os.chown(made["other-user"], 65534, 65534)
+        made["link"] = f"/tmp/dflash-fetch.{uuid.uuid4().hex[:8]}"
+        os.symlink(made["gone"], made["link"])
+        box.invoke("fetch", "--run", RUN, "--checkpoint", "step-3", "--to", str(tmp_path / "drafter"))
+        left = {name for name, path in made.items() if os.path.lexists(path)}
+        assert left == {"alive", "fresh", "other-user", "link"}, left
+    finally:
+        alive.kill()
+        alive.wait()
+        for path in made.values():
+            if os.path.islink(path):
+                os.remove(path)
+            else:
+                shutil.rmtree(path, ignore_errors=True)
+
+
 def streaming(to) -> bool:
     """Some bytes of the weights are in fetch's temporary directory inside `to`."""
     try:
@@ -177,7 +224,6 @@ def test_a_killed_fetch_leaves_nothing_running_or_partial(box, tmp_path):
     """SIGTERM while the weights stream: no file in --to, nothing of fetch left in the container; a
     SIGKILLed one leaves only its temp dir inside --to, which the next fetch removes."""
     import signal
-    import time
 
     in_container(box, f"rm -rf /root/runs/{RUN} && mkdir -p {ROOT}/step-3 && "
                       f"printf '{{}}\\n' > {ROOT}/step-3/config.json && "
@@ -190,15 +236,21 @@ def test_a_killed_fetch_leaves_nothing_running_or_partial(box, tmp_path):
                      lambda proc=proc, to=to: proc.poll() is not None or streaming(to),
                      timeout=300, every=0.05)
         assert proc.poll() is None, proc.communicate()
+        # The host's private dir of this fetch: the one with these 200 MB weights (no other test's).
+        [host_copy] = [d for d in host_temp_dirs()
+                       if os.path.getsize(os.path.join(d, "model.safetensors")) == 200_000_000]
         proc.send_signal(sig)
         proc.wait(timeout=60)
         if sig == signal.SIGTERM:
             assert proc.returncode == 130, proc.stderr.read()
             assert not to.exists() and list((tmp_path / sig.name).iterdir()) == []
+            assert not os.path.exists(host_copy)  # removed by the fetch itself
         else:
             assert [p.name.startswith(".dflash-fetch-") for p in to.iterdir()] == [True]
+            assert os.path.exists(host_copy)  # a killed fetch cannot remove its copy on the host ...
             box.invoke("fetch", "--run", RUN, "--to", str(to), "--force", timeout=600)
             assert sorted(os.listdir(to)) == ["SHA256SUMS", "config.json", "model.safetensors"]
+            assert not os.path.exists(host_copy)  # ... the next fetch does: its connection is gone
         deadline = time.monotonic() + 60
         while any("zlib" in p or "cat -- /root/runs" in p for p in box.processes()):
             assert time.monotonic() < deadline, box.processes()

@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 
 import chat_formats
@@ -119,7 +120,7 @@ def cache_key(path: str, tokenizer, header: str, end: str, max_length: int, max_
     part(tokenizer.backend_tokenizer.to_str())
     part(tokenizer.chat_template)
     for shard in data_files(path):
-        part(os.path.basename(shard))
+        part(os.path.abspath(shard))  # the report lines replayed from the cache name it
         with open(shard, "rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
                 digest.update(block)
@@ -169,9 +170,12 @@ def _write_cache(cache_dir: str, key: str, examples: list[Example], lines: list[
             torch.save(saved, f)
         os.replace(tmp, os.path.join(where, key + CACHE_SUFFIX))
         tmp = None
-        entries = sorted((e for e in os.scandir(where) if e.name.endswith(CACHE_SUFFIX)
-                          and not e.name.startswith(".")), key=lambda e: e.stat().st_mtime, reverse=True)
-        for old in entries[CACHE_KEEP:]:
+        entries = sorted((e for e in os.scandir(where) if e.name.endswith(CACHE_SUFFIX)),
+                         key=lambda e: e.stat().st_mtime, reverse=True)
+        written = [e for e in entries if not e.name.startswith(".")]
+        # what a killed write left (a write in progress is seconds old)
+        stale = [e for e in entries if e.name.startswith(".") and e.stat().st_mtime < time.time() - 86400]
+        for old in written[CACHE_KEEP:] + stale:
             os.remove(old.path)
     except OSError as exc:
         if log:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import checkpoints
 import dflash_data
@@ -221,6 +222,14 @@ def test_the_cache_keeps_its_newest_entries(tiny_target, tmp_path, heldout_copy)
         _load(heldout_copy, tokenizer, cache)
     assert len(_entries(cache)) == dflash_data.CACHE_KEEP
     assert not [p for p in cache.iterdir() if p.name.startswith(".tmp-")]
+    # What a write killed a day ago left goes with the next write; one in progress stays.
+    killed, writing = (cache / f".tmp-{name}{dflash_data.CACHE_SUFFIX}" for name in ("killed", "now"))
+    for path in (killed, writing):
+        path.write_bytes(b"partial")
+    os.utime(killed, (time.time() - 2 * 86400,) * 2)
+    heldout_copy.write_text("\n".join(rows) + "\n")
+    _load(heldout_copy, tokenizer, cache)
+    assert not killed.exists() and writing.exists()
 
 
 def test_the_first_batch_tokenizes_only_that_batch(tiny_target, heldout_copy, monkeypatch):

@@ -15,7 +15,7 @@ if REMOTE not in sys.path:
     sys.path.insert(0, REMOTE)
 
 TINY_CONFIG = os.path.join(REMOTE, "configs", "tiny-cpu.yaml")
-DATA_CACHE = []  # this session's tokenized-data cache (data.cache_dir), shared by the runs tiny_args makes
+DATA_CACHE = []  # this session's tokenized-data cache (data.cache_dir), set before any test runs
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -47,7 +47,7 @@ def tiny_args(target: str, run_dir: str, *overrides: str) -> list[str]:
     """Arguments for a short tiny-cpu run: our target, our run dir, the session's data cache."""
     args = ["--config", TINY_CONFIG, "--run-dir", run_dir, "--set", f"target.path={target}",
             "--set", f"compile.cache_dir={run_dir}/inductor",
-            "--set", f"data.cache_dir={DATA_CACHE[0] if DATA_CACHE else os.path.join(run_dir, 'data-cache')}"]
+            "--set", f"data.cache_dir={DATA_CACHE[0]}"]
     for override in overrides:
         args += ["--set", override]
     return args

@@ -9,7 +9,8 @@ on loopback, which multi-node tests rely on.
     <state>/client/id_ed25519      client key, authorized on every host
     <state>/known_hosts            every host key pinned ([127.0.0.1]:port)
     <state>/pip-cache/             pip cache shared by all containers (/var/cache/pip-shared)
-    <state>/pve1/                  one host: sshd_config, sshd.pid, port, host.json, bin/pct,
+    <state>/pve1/                  one host: sshd_config, sshd.pid, port, host.json,
+                                   bin/pct (+ bin/pct_standin.py),
                                    nodes/pve1/lxc/<id>.conf, ct/<id>/{root,var,tmp,init.json}
 """
 
@@ -35,6 +36,7 @@ from .errors import DflashOpsError, ExitStatus
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_INVENTORY = REPO / "inventory" / "sandbox.yaml"
 PCT_SOURCE = Path(__file__).with_name("sandbox") / "pct"
+PCT_MODULE = "pct_standin"  # <host dir>/bin/pct_standin.py: PCT_SOURCE, imported by bin/pct
 SSHD = "/usr/sbin/sshd"
 TOOLS = {SSHD: "openssh-server", "/usr/bin/ssh-keygen": "openssh-client", "/usr/bin/bwrap": "bubblewrap",
          "/usr/bin/nsenter": "util-linux"}
@@ -247,8 +249,12 @@ def _host_up(state, settings, key, run_ids, stop_ids, shm_size, cpuunits, change
     if _write_if_changed(hdir / "host.json", json.dumps(settings) + "\n") and _host_state(hdir).sshd_pid:
         _reload_sshd(hdir)
         changed.append(f"{name}: sshd reloaded (session settings)")
-    pct_text = PCT_SOURCE.read_text().replace("#!/usr/bin/python3", f"#!{_host_python()}", 1)
-    if _write_if_changed(hdir / "bin" / "pct", pct_text):
+    # bin/pct imports the stand-in from bin/pct_standin.py: a module's bytecode is cached, a script is
+    # compiled again at every start (a suite makes over a thousand pct calls). -S: standard library only.
+    module = _write_if_changed(hdir / "bin" / f"{PCT_MODULE}.py", PCT_SOURCE.read_text())
+    stub = (f"#!{_host_python()} -S\nimport sys\n\nimport {PCT_MODULE}\n\n"
+            f"sys.exit({PCT_MODULE}.main(sys.argv[1:]))\n")
+    if _write_if_changed(hdir / "bin" / "pct", stub) or module:
         changed.append(f"{name}: pct installed")
     (hdir / "bin" / "pct").chmod(0o755)
     host = _host_state(hdir)

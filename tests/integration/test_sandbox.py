@@ -297,7 +297,8 @@ def test_pct_refuses_anyone_but_root(sandbox, tmp_path):
     with tempfile.TemporaryDirectory() as tmp:
         os.chmod(tmp, 0o755)
         (Path(tmp) / "bin").mkdir()
-        shutil.copy(sandbox.pct, Path(tmp) / "bin" / "pct")
+        for name in ("pct", f"{sandbox_mod.PCT_MODULE}.py"):
+            shutil.copy(Path(sandbox.pct).with_name(name), Path(tmp) / "bin" / name)
         shutil.copy(Path(sandbox.pct).parents[1] / "host.json", Path(tmp) / "host.json")
         as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", f"{tmp}/bin/pct",
                      "status", "200"]

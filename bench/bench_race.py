@@ -48,6 +48,7 @@ class Drafter:
 
     def __init__(self, index: int, device: str, sizes: dict, attention) -> None:
         import dflash_model as dm
+        import objective
         import torch
 
         self.torch, self.device, self.attention = torch, torch.device(device), attention
@@ -68,7 +69,7 @@ class Drafter:
         anchors = torch.randint(1, context, (batch, blocks), generator=gen)
         keep = torch.ones(batch, blocks, dtype=torch.bool)
         ids = torch.zeros(batch, context, dtype=torch.long)
-        _, self.positions = dm.block_inputs(ids, anchors, keep, BLOCK_SIZE, 0)
+        _, self.positions = objective.block_inputs(ids, anchors, keep, BLOCK_SIZE, 0)
         self.target_hidden = self.target_hidden.to(self.device, dtype)
         self.noise = self.noise.to(self.device, dtype)
         self.positions = self.positions.to(self.device)

@@ -4,12 +4,14 @@ A checkpoint is written to a hidden temp directory, every file fsynced, then ren
 `latest` (a one-line file naming the directory) is replaced atomically afterwards. A crash at any
 point leaves either the previous checkpoint or the new one, never a half-written one that resume
 would pick. Each directory is dflash-loadable (config.json + model.safetensors) plus
-training_state.pt (optimizer, scheduler, step, sampler, RNG).
+training_state.pt (optimizer, scheduler, step, sampler, RNG). `save_training` and `restore` write
+and read a training run's checkpoint: the drafter, and its workers' training state.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import shutil
@@ -151,3 +153,49 @@ def save_state(directory: str, state: dict) -> None:
 
 def load_state(directory: str) -> dict:
     return torch.load(os.path.join(directory, STATE_FILE), map_location="cpu", weights_only=False)
+
+
+def save_drafter(drafter, directory: str) -> None:
+    """config.json (dflash layout) + model.safetensors; loads with DFlashDraftModel.from_pretrained."""
+    from safetensors.torch import save_file
+
+    os.makedirs(directory, exist_ok=True)
+    state = {name: tensor.detach().to("cpu").contiguous()
+             for name, tensor in drafter.state_dict().items()}
+    save_file(state, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    config = drafter.config.to_dict()
+    config["architectures"] = ["DFlashDraftModel"]
+    config["dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+
+
+
+def save_training(run_dir: str, step: int, workers, sampler_state: dict, config) -> str:
+    """A checkpoint of `step`: the drafter (dflash-loadable) and the training state; returns its
+    directory."""
+    worker = workers[0]  # replicas are identical; one copy is the checkpoint
+
+    def write(directory):
+        save_drafter(worker.drafter, directory)
+        save_state(directory, {
+            "step": step, "optimizer": worker.optimizer.state_dict(),
+            "scheduler": worker.scheduler.state_dict(), "sampler": dict(sampler_state),
+            "rng": {"torch": torch.get_rng_state()}, "config": config.to_dict(),
+        })
+    return save_checkpoint(run_dir, step, write, config.train.keep_last)
+
+
+def restore(directory: str, workers, sampler) -> int:
+    """Load a checkpoint written by save_training into every worker and the sampler; returns its step."""
+    from safetensors.torch import load_file
+
+    weights = load_file(os.path.join(directory, "model.safetensors"))
+    state = load_state(directory)
+    for worker in workers:
+        worker.drafter.load_state_dict(weights, strict=True)
+        worker.optimizer.load_state_dict(state["optimizer"])
+        worker.scheduler.load_state_dict(state["scheduler"])
+    sampler.load_state_dict(state["sampler"])
+    torch.set_rng_state(state["rng"]["torch"])
+    return int(state["step"])

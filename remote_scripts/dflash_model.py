@@ -1,7 +1,7 @@
-"""The DFlash drafter: architecture, attention mask, and training objective.
+"""The DFlash drafter: architecture and attention mask.
 
 Parameter names and the config layout match the official inference package
-(`dflash.model.DFlashDraftModel`), so a directory written by `save_drafter` loads there with
+(`dflash.model.DFlashDraftModel`), so a directory written by `checkpoints.save_drafter` loads there with
 `from_pretrained` and no missing or unexpected keys. The drafter owns no embedding or LM head:
 the target's (frozen) ones are passed in.
 
@@ -15,8 +15,6 @@ anchor, itself bidirectionally, no other block; an invalid (padding) block sees 
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Callable
 
 import torch
@@ -286,147 +284,5 @@ class DFlashDrafter(nn.Module):
         return self.norm(hidden)
 
 
-# ----------------------------------------------------------------------------- training objective
-
-def sample_anchors(loss_mask: torch.Tensor, num_anchors: int,
-                   generator: torch.Generator | None = None):
-    """`num_anchors` random anchors per row among positions whose loss_mask is 1 (sorted).
-
-    Always N = num_anchors columns (a fixed shape: one compiled graph); rows with fewer valid
-    positions are padded with keep=False blocks (anchor 0), which see and predict nothing.
-    Returns anchors [B, N] (long) and keep [B, N] (bool).
-    """
-    batch, seq_len = loss_mask.shape
-    last_anchor = seq_len - 2  # an anchor needs at least one label after it
-    if not 1 <= num_anchors <= last_anchor + 1:
-        raise ValueError(f"num_anchors={num_anchors} must be in [1, seq_len - 1 = {seq_len - 1}]")
-    valid = loss_mask[:, : last_anchor + 1] > 0.5
-    counts = valid.sum(dim=1)
-    scores = torch.rand(valid.shape, generator=generator).to(loss_mask.device)
-    scores = torch.where(valid, scores, torch.full_like(scores, 2.0))
-    picked = scores.argsort(dim=1)[:, :num_anchors]
-    keep = torch.arange(num_anchors, device=loss_mask.device)[None] < counts[:, None]
-    anchors = torch.where(keep, picked, torch.zeros_like(picked))
-    order = torch.where(keep, anchors, torch.full_like(anchors, seq_len)).argsort(dim=1)
-    return anchors.gather(1, order), keep.gather(1, order)
-
-
-def block_inputs(input_ids, anchors, keep, block_size: int, mask_token_id: int):
-    """Noise token ids [B, N*bs] (anchor token, then MASK) and position ids [B, S + N*bs]."""
-    batch, seq_len = input_ids.shape
-    num_blocks = anchors.shape[1]
-    noise = torch.full((batch, num_blocks, block_size), mask_token_id, dtype=input_ids.dtype,
-                       device=input_ids.device)
-    anchor_tokens = input_ids.gather(1, anchors)
-    noise[:, :, 0] = torch.where(keep, anchor_tokens, torch.full_like(anchor_tokens, mask_token_id))
-    offsets = torch.arange(block_size, device=input_ids.device)
-    block_positions = (anchors[:, :, None] + offsets).view(batch, -1)
-    context_positions = torch.arange(seq_len, device=input_ids.device).expand(batch, -1)
-    return noise.view(batch, -1), torch.cat([context_positions, block_positions], dim=1)
-
-
-def slot_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
-    """exp(-(k-1)/gamma) for slot k >= 1; slot 0 (the given anchor) has weight 0."""
-    k = torch.arange(block_size, device=device, dtype=torch.float32)
-    weights = torch.exp(-(k - 1).clamp(min=0) / gamma)
-    weights[0] = 0.0
-    return weights
-
-
-def block_labels(input_ids, loss_mask, anchors, keep, block_size: int):
-    """Slot k of the block at anchor a predicts input_ids[a + k]; validity [B, N, bs] (0/1)."""
-    seq_len = input_ids.shape[1]
-    index = anchors[:, :, None] + torch.arange(block_size, device=input_ids.device)
-    in_range = index < seq_len
-    index = index.clamp(max=seq_len - 1)
-    num_blocks = anchors.shape[1]
-    labels = input_ids[:, None].expand(-1, num_blocks, -1).gather(2, index)
-    label_mask = loss_mask[:, None].expand(-1, num_blocks, -1).gather(2, index)
-    valid = keep[:, :, None] & in_range & (label_mask > 0.5)
-    valid[:, :, 0] = False
-    return labels, valid.float()
-
-
-def dflash_loss(logits, labels, valid, gamma: float):
-    """Decay-weighted CE, normalised by the weight sum; per-slot accuracy; acceptance length.
-
-    logits [B, N, bs, V]; labels, valid [B, N, bs]. Acceptance length tau is the expected number
-    of tokens a verification step yields: 1 (the target's own token) + the run of correct slots
-    from slot 1; a slot without a valid label ends the run.
-    """
-    block_size = labels.shape[-1]
-    weights = valid * slot_weights(block_size, gamma, logits.device)
-    ce = F.cross_entropy(logits.flatten(0, 2).float(), labels.flatten(), reduction="none")
-    loss = (ce.view_as(weights) * weights).sum() / weights.sum().clamp(min=1e-6)
-    return loss, prediction_stats(logits.detach().argmax(-1), labels, valid)
-
-
-@torch.no_grad()
-def prediction_stats(predicted, labels, valid) -> dict:
-    """Per-slot correct/count sums and the acceptance run of each real block ([B, N, bs] each)."""
-    correct = (predicted == labels) & (valid > 0)
-    real_blocks = valid[:, :, 1] > 0
-    run = correct[:, :, 1:].long().cumprod(dim=-1).sum(dim=-1).float()
-    return {
-        "slot_correct": correct.float().sum(dim=(0, 1))[1:].tolist(),
-        "slot_count": valid.sum(dim=(0, 1))[1:].tolist(),
-        "accept_sum": float((1 + run)[real_blocks].sum()),
-        "blocks": int(real_blocks.sum()),
-    }
-
-
-def merge_stats(parts: list[dict]) -> dict:
-    """Sum stats dicts from several steps or workers (counts add, so ratios stay exact)."""
-    merged = {"slot_correct": None, "slot_count": None, "accept_sum": 0.0, "blocks": 0}
-    for part in parts:
-        for key in ("slot_correct", "slot_count"):
-            merged[key] = list(part[key]) if merged[key] is None else \
-                [a + b for a, b in zip(merged[key], part[key], strict=True)]
-        merged["accept_sum"] += part["accept_sum"]
-        merged["blocks"] += part["blocks"]
-    return merged
-
-
-def slot_accuracy(stats: dict) -> list[float]:
-    return [c / n if n else 0.0 for c, n in zip(stats["slot_correct"], stats["slot_count"], strict=True)]
-
-
-def acceptance_length(stats: dict) -> float:
-    return stats["accept_sum"] / max(stats["blocks"], 1)
-
-
-def draft_logits(hidden, lm_head_weight, num_blocks: int, block_size: int):
-    """The target's (frozen) LM head on the draft hidden states -> [B, N, bs, V]."""
-    logits = F.linear(hidden, lm_head_weight)
-    return logits.view(hidden.shape[0], num_blocks, block_size, -1)
-
-
-# ----------------------------------------------------------------------------- checkpoints
-
-def save_drafter(drafter: DFlashDrafter, directory: str) -> None:
-    """config.json (dflash layout) + model.safetensors; loads with DFlashDraftModel.from_pretrained."""
-    from safetensors.torch import save_file
-
-    os.makedirs(directory, exist_ok=True)
-    state = {name: tensor.detach().to("cpu").contiguous()
-             for name, tensor in drafter.state_dict().items()}
-    save_file(state, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
-    config = drafter.config.to_dict()
-    config["architectures"] = ["DFlashDraftModel"]
-    config["dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
-
-
-def load_drafter(directory: str, gradient_checkpointing: bool = False) -> DFlashDrafter:
-    from safetensors.torch import load_file
-
-    config = Qwen3Config.from_pretrained(directory)
-    drafter = DFlashDrafter(config, gradient_checkpointing)
-    drafter.load_state_dict(load_file(os.path.join(directory, "model.safetensors")), strict=True)
-    return drafter
-
-
 def parameter_count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
-

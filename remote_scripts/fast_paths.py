@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 
 import compile_safety
+import objective
 import torch
 
 # DFLASH_FAST_PATHS=0: training takes the reference paths (plain loss, foreach AdamW, default
@@ -126,18 +127,16 @@ def lm_head_loss(hidden, lm_head_weight, labels, valid, gamma: float, chunk: int
 
     hidden [B, Q, H]; labels, valid [B, N, bs]; the LM head weight must be frozen.
     """
-    import dflash_model as dm
-
     if lm_head_weight.requires_grad:
         raise ValueError("lm_head_loss needs a frozen LM head (weight.requires_grad is True)")
     batch, num_blocks, block_size = labels.shape
-    weights = valid * dm.slot_weights(block_size, gamma, hidden.device)
+    weights = valid * objective.slot_weights(block_size, gamma, hidden.device)
     token_weights = (weights / weights.sum().clamp(min=1e-6)).flatten().float()
     if chunk is None:
         chunk = max(1, _CHUNK_ELEMENTS // lm_head_weight.shape[0])
     flat = hidden.reshape(-1, hidden.shape[-1])
     loss, argmax = _LMHeadCE.apply(flat, lm_head_weight, labels.flatten(), token_weights, chunk)
-    return loss, dm.prediction_stats(argmax.view_as(labels), labels, valid)
+    return loss, objective.prediction_stats(argmax.view_as(labels), labels, valid)
 
 
 def adamw(params, **kwargs) -> torch.optim.AdamW:

@@ -24,8 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 import checkpoints
 import dflash_model as dm
 import distributed
+import objective
 import target_model
-import torch
 import training
 from batch_feed import BatchFeed
 from dflash_data import DataError, Sampler, data_report, load_examples
@@ -83,7 +83,7 @@ def train(args) -> int:
     step = 0
     resume_from = checkpoints.latest_checkpoint(run_dir)
     if resume_from:
-        step = restore(resume_from, workers, sampler)
+        step = checkpoints.restore(resume_from, workers, sampler)
         log.info("resumed from %s at step %d", resume_from, step)
     eval_batches = make_eval_batches(config, target, drafters, heldout_examples)
 
@@ -203,38 +203,11 @@ def save(run_dir, step, workers, sampler_state: dict, config, node, metrics) -> 
     have taken the next ones), and its line in the metrics."""
     if not node.writes_checkpoints:
         return
-    path = save_checkpoint(run_dir, step, workers, sampler_state, config)
+    path = checkpoints.save_training(run_dir, step, workers, sampler_state, config)
     diff = training.replica_max_diff(workers)
     write_metrics(metrics, {"kind": "checkpoint", "step": step, "path": path,
                             "replica_max_abs_diff": diff})
     log.info("checkpoint %s (replicas differ by at most %.3g)", path, diff)
-
-
-def restore(directory: str, workers, sampler) -> int:
-    from safetensors.torch import load_file
-
-    weights = load_file(os.path.join(directory, "model.safetensors"))
-    state = checkpoints.load_state(directory)
-    for worker in workers:
-        worker.drafter.load_state_dict(weights, strict=True)
-        worker.optimizer.load_state_dict(state["optimizer"])
-        worker.scheduler.load_state_dict(state["scheduler"])
-    sampler.load_state_dict(state["sampler"])
-    torch.set_rng_state(state["rng"]["torch"])
-    return int(state["step"])
-
-
-def save_checkpoint(run_dir, step, workers, sampler_state: dict, config) -> str:
-    worker = workers[0]  # replicas are identical; one copy is the checkpoint
-
-    def write(directory):
-        dm.save_drafter(worker.drafter, directory)
-        checkpoints.save_state(directory, {
-            "step": step, "optimizer": worker.optimizer.state_dict(),
-            "scheduler": worker.scheduler.state_dict(), "sampler": dict(sampler_state),
-            "rng": {"torch": torch.get_rng_state()}, "config": config.to_dict(),
-        })
-    return checkpoints.save_checkpoint(run_dir, step, write, config.train.keep_last)
 
 
 def write_metrics(stream, record: dict) -> None:
@@ -243,12 +216,13 @@ def write_metrics(stream, record: dict) -> None:
 
 
 def log_train(metrics, step, stop_step, window, seconds, lr, devices) -> None:
-    stats = dm.merge_stats([s for results, _ in window for _, s in results])
+    stats = objective.merge_stats([s for results, _ in window for _, s in results])
     losses = [loss for results, _ in window for loss, _ in results]
     tokens = sum(t for _, t in window)
     record = {
         "kind": "train", "step": step, "loss": sum(losses) / len(losses),
-        "slot_accuracy": dm.slot_accuracy(stats), "acceptance_length": dm.acceptance_length(stats),
+        "slot_accuracy": objective.slot_accuracy(stats),
+        "acceptance_length": objective.acceptance_length(stats),
         "worker_loss": [sum(r[i][0] for r, _ in window) / len(window)
                         for i in range(len(window[0][0]))],
         "tokens_per_s": tokens / max(seconds, 1e-9), "lr": lr,
@@ -264,11 +238,11 @@ def log_train(metrics, step, stop_step, window, seconds, lr, devices) -> None:
 
 def evaluate(worker, batches, metrics, step) -> None:
     results = [worker.evaluate(b) for b in batches]
-    stats = dm.merge_stats([s for _, s in results])
+    stats = objective.merge_stats([s for _, s in results])
     record = {"kind": "eval", "step": step,
               "loss": sum(loss for loss, _ in results) / len(results),
-              "slot_accuracy": dm.slot_accuracy(stats),
-              "acceptance_length": dm.acceptance_length(stats), "time": time.time()}
+              "slot_accuracy": objective.slot_accuracy(stats),
+              "acceptance_length": objective.acceptance_length(stats), "time": time.time()}
     write_metrics(metrics, record)
     log.info("eval step %d | held-out loss %.4f | teacher-forced tau %.2f | acc[1:5] %s", step,
              record["loss"],

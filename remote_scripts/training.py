@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import compile_safety
 import dflash_model as dm
 import fast_paths
+import objective
 import torch
 import torch.nn.functional as F
 from dflash_data import collate, load_examples
@@ -148,9 +149,9 @@ def prepare_batch(examples, config: Config, target, device: str, mask_token_id: 
                   build_mask, generator: torch.Generator, replica: int = 0) -> Batch:
     block_size, max_length = config.model.block_size, config.data.max_length
     input_ids, attention, loss_mask = collate(examples, max_length, pad_id=0)
-    anchors, keep = dm.sample_anchors(loss_mask, config.data.num_anchors, generator)
-    noise_ids, position_ids = dm.block_inputs(input_ids, anchors, keep, block_size, mask_token_id)
-    labels, valid = dm.block_labels(input_ids, loss_mask, anchors, keep, block_size)
+    anchors, keep = objective.sample_anchors(loss_mask, config.data.num_anchors, generator)
+    noise_ids, position_ids = objective.block_inputs(input_ids, anchors, keep, block_size, mask_token_id)
+    labels, valid = objective.block_labels(input_ids, loss_mask, anchors, keep, block_size)
     target_hidden = target.context_features(input_ids, attention, device, replica)
     anchors, keep = anchors.to(device), keep.to(device)
     return Batch(target_hidden=target_hidden, noise_ids=noise_ids.to(device),
@@ -212,9 +213,9 @@ class DrafterWorker:
             hidden = self.drafter(batch.target_hidden, noise, batch.position_ids, batch.mask,
                                   self.attention)
             if not fast_paths.ENABLED:  # the reference path: materialises [B*N*bs, V] logits
-                logits = dm.draft_logits(hidden, self.head_weight, batch.num_blocks,
+                logits = objective.draft_logits(hidden, self.head_weight, batch.num_blocks,
                                          self.config.model.block_size)
-                return dm.dflash_loss(logits, batch.labels, batch.valid, self.config.model.gamma)
+                return objective.dflash_loss(logits, batch.labels, batch.valid, self.config.model.gamma)
         return fast_paths.lm_head_loss(hidden, self.head_weight, batch.labels, batch.valid,
                                        self.config.model.gamma)
 

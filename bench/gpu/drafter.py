@@ -16,6 +16,7 @@ import time
 import compile_safety
 import dflash_model as dm
 import fast_paths
+import objective
 import torch
 import training
 from common import QWEN3_8B, REMOTE, linear_flops, time_fn
@@ -54,10 +55,10 @@ def make_batch(config, dcfg, device, seed=0):
     taps = len(dcfg.dflash_config["target_layer_ids"])
     input_ids = torch.randint(0, dcfg.vocab_size - 1, (1, seq), generator=g)
     loss_mask = torch.ones(1, seq)
-    anchors, keep = dm.sample_anchors(loss_mask, config.data.num_anchors, g)
-    noise_ids, position_ids = dm.block_inputs(input_ids, anchors, keep, block,
+    anchors, keep = objective.sample_anchors(loss_mask, config.data.num_anchors, g)
+    noise_ids, position_ids = objective.block_inputs(input_ids, anchors, keep, block,
                                               dcfg.dflash_config["mask_token_id"])
-    labels, valid = dm.block_labels(input_ids, loss_mask, anchors, keep, block)
+    labels, valid = objective.block_labels(input_ids, loss_mask, anchors, keep, block)
     anchors, keep = anchors.to(device), keep.to(device)
     build = dm.dense_dflash_mask if config.model.attention == "dense" else dm.flex_dflash_mask
     dtype = torch.bfloat16 if config.train.autocast else torch.float32

@@ -42,7 +42,7 @@ sys.path.insert(0, "/root/dflash")
 import torch
 from safetensors.torch import load_file
 from transformers import Qwen3Config
-import checkpoints, dflash_model as dm, train_dflash
+import checkpoints, dflash_model as dm
 from dflash_data import Sampler
 
 run_dir, rounds, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -59,7 +59,7 @@ def build():
 def save_back_to_back(progress_fd, saves=None):
     worker, sampler = build()
     resumed = checkpoints.latest_checkpoint(run_dir)
-    step = start = train_dflash.restore(resumed, [worker], sampler) if resumed else 0
+    step = start = checkpoints.restore(resumed, [worker], sampler) if resumed else 0
     config = SimpleNamespace(to_dict=lambda: {"fault": "test"}, train=SimpleNamespace(keep_last=3))
     while True:
         step += 1
@@ -68,7 +68,7 @@ def save_back_to_back(progress_fd, saves=None):
         worker.optimizer.step()
         worker.scheduler.step()
         sampler.take(2)
-        train_dflash.save_checkpoint(run_dir, step, [worker], sampler.state_dict(), config)
+        checkpoints.save_training(run_dir, step, [worker], sampler.state_dict(), config)
         os.write(progress_fd, b".")
         if saves is not None and step - start >= saves:
             return

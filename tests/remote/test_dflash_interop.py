@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import checkpoints
 import dflash_model as dm
+import objective
 import torch
 from dflash.model import DFlashDraftModel
 from transformers import Qwen3Config
@@ -20,7 +22,7 @@ def saved_drafter(tmp_path):
         for name, param in ours.named_parameters():
             if "norm" in name:
                 param.add_(torch.randn_like(param) * 0.1)
-    dm.save_drafter(ours, str(tmp_path))
+    checkpoints.save_drafter(ours, str(tmp_path))
     return ours
 
 
@@ -47,8 +49,8 @@ def test_hidden_states_match_official_model_with_the_training_mask(tmp_path):
     batch, context, num_anchors = 2, 12, 3
     loss_mask = torch.ones(batch, context)
     loss_mask[1, :9] = 0  # a padding block in row 1
-    anchors, keep = dm.sample_anchors(loss_mask, num_anchors, generator)
-    _, positions = dm.block_inputs(torch.zeros(batch, context, dtype=torch.long), anchors, keep,
+    anchors, keep = objective.sample_anchors(loss_mask, num_anchors, generator)
+    _, positions = objective.block_inputs(torch.zeros(batch, context, dtype=torch.long), anchors, keep,
                                    BLOCK, 100)
     target_hidden = torch.randn(batch, context, 2 * 32, generator=generator)
     noise = torch.randn(batch, num_anchors * BLOCK, 32, generator=generator)

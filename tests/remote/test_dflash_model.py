@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 
 import dflash_model as dm
+import objective
 import pytest
 import torch
 from transformers import Qwen3Config
@@ -29,11 +30,11 @@ def random_inputs(drafter, batch=2, context=10, num_anchors=3, seed=1, all_valid
     loss_mask = torch.ones(batch, context)
     if not all_valid:  # row 1 has fewer anchor positions than num_anchors: padding blocks
         loss_mask[1, : context - num_anchors] = 0
-    anchors, keep = dm.sample_anchors(loss_mask, num_anchors, generator)
+    anchors, keep = objective.sample_anchors(loss_mask, num_anchors, generator)
     hidden = drafter.config.hidden_size
     target_hidden = torch.randn(batch, context, 2 * hidden, generator=generator)
     noise = torch.randn(batch, num_anchors * BLOCK, hidden, generator=generator)
-    _, positions = dm.block_inputs(torch.zeros(batch, context, dtype=torch.long), anchors, keep,
+    _, positions = objective.block_inputs(torch.zeros(batch, context, dtype=torch.long), anchors, keep,
                                    BLOCK, 96)
     return anchors, keep, target_hidden, noise, positions
 
@@ -88,18 +89,18 @@ def test_labels_slot_k_predicts_anchor_plus_k_and_slot0_excluded():
     loss_mask = torch.ones(1, 12)
     loss_mask[0, 9] = 0  # one non-assistant token
     anchors, keep = torch.tensor([[3, 7, 10]]), torch.tensor([[True, True, True]])
-    labels, valid = dm.block_labels(input_ids, loss_mask, anchors, keep, BLOCK)
+    labels, valid = objective.block_labels(input_ids, loss_mask, anchors, keep, BLOCK)
     assert labels[0, 0].tolist() == [103, 104, 105, 106]
     assert valid[0, 0].tolist() == [0, 1, 1, 1]          # slot 0 is the given anchor
     assert valid[0, 1].tolist() == [0, 1, 0, 1]          # anchor 7: position 9 is masked out
     assert valid[0, 2].tolist() == [0, 1, 0, 0]          # anchor 10: 12, 13 past the end
-    noise, positions = dm.block_inputs(input_ids, anchors, keep, BLOCK, mask_token_id=1)
+    noise, positions = objective.block_inputs(input_ids, anchors, keep, BLOCK, mask_token_id=1)
     assert noise[0, :BLOCK].tolist() == [103, 1, 1, 1]
     assert positions[0, 12:16].tolist() == [3, 4, 5, 6]
 
 
 def test_loss_weights_decay_and_normalisation():
-    weights = dm.slot_weights(BLOCK, gamma=2.0)
+    weights = objective.slot_weights(BLOCK, gamma=2.0)
     assert weights[0] == 0
     torch.testing.assert_close(weights[1:], torch.exp(-torch.tensor([0.0, 1.0, 2.0]) / 2.0))
     vocab = 5
@@ -108,13 +109,13 @@ def test_loss_weights_decay_and_normalisation():
     logits = torch.zeros(1, 1, BLOCK, vocab)
     logits[0, 0, 1, 1] = 10.0  # slot 1 right and confident; slot 2 uniform; slot 3 ignored
     logits[0, 0, 3] = torch.randn(vocab) * 100
-    loss, stats = dm.dflash_loss(logits, labels, valid, gamma=2.0)
+    loss, stats = objective.dflash_loss(logits, labels, valid, gamma=2.0)
     ce = torch.nn.functional.cross_entropy(logits[0, 0], labels[0, 0], reduction="none")
     expected = (ce[1] * weights[1] + ce[2] * weights[2]) / (weights[1] + weights[2])
     torch.testing.assert_close(loss, expected)
     assert stats["slot_count"] == [1.0, 1.0, 0.0]
     assert stats["slot_correct"][0] == 1.0
-    assert dm.acceptance_length(stats) == pytest.approx(2.0)  # slot 1 right, slot 2 wrong
+    assert objective.acceptance_length(stats) == pytest.approx(2.0)  # slot 1 right, slot 2 wrong
 
 
 def test_acceptance_length_counts_the_run_of_correct_slots():
@@ -125,15 +126,15 @@ def test_acceptance_length_counts_the_run_of_correct_slots():
         logits[0, 0, slot, token] = 5.0
     logits[0, 1, 1, 0] = 5.0  # block 1: slot 1 wrong, slots 2, 3 right (after a miss: no credit)
     logits[0, 1, 2, 2] = logits[0, 1, 3, 3] = 5.0
-    _, stats = dm.dflash_loss(logits, labels, valid, gamma=7.0)
-    assert dm.acceptance_length(stats) == pytest.approx((4 + 1) / 2)
+    _, stats = objective.dflash_loss(logits, labels, valid, gamma=7.0)
+    assert objective.acceptance_length(stats) == pytest.approx((4 + 1) / 2)
 
 
 def test_anchors_only_on_loss_positions_and_fixed_shape():
     loss_mask = torch.zeros(3, 20)
     loss_mask[0, 5:15] = 1
     loss_mask[1, 18:] = 1  # position 19 cannot be an anchor (no label after it)
-    anchors, keep = dm.sample_anchors(loss_mask, 6, torch.Generator().manual_seed(0))
+    anchors, keep = objective.sample_anchors(loss_mask, 6, torch.Generator().manual_seed(0))
     assert anchors.shape == keep.shape == (3, 6)
     assert keep.sum(dim=1).tolist() == [6, 1, 0]
     assert all(loss_mask[0, a] == 1 for a in anchors[0].tolist())

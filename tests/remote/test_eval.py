@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 
+import checkpoints
 import dflash_model as dm
 import eval_dflash
 import pytest
@@ -71,7 +72,7 @@ def pipeline(tmp_path_factory):
     from transformers import Qwen3Config
     torch.manual_seed(1)
     untrained = str(root / "untrained")
-    dm.save_drafter(dm.DFlashDrafter(Qwen3Config.from_pretrained(trained)), untrained)
+    checkpoints.save_drafter(dm.DFlashDrafter(Qwen3Config.from_pretrained(trained)), untrained)
     return {"target": target, "run": run, "trained": trained, "untrained": untrained, **data}
 
 

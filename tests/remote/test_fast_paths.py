@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import dflash_model as dm
 import fast_paths
+import objective
 import pytest
 import torch
 
@@ -24,7 +24,8 @@ def test_lm_head_loss_matches_plain_path(seed, chunk):
     h, w, labels, valid = _case(seed)
     batch, blocks, bs = labels.shape
     h_ref = h.clone().requires_grad_(True)
-    ref_loss, ref_stats = dm.dflash_loss(dm.draft_logits(h_ref, w, blocks, bs), labels, valid, 3.0)
+    logits = objective.draft_logits(h_ref, w, blocks, bs)
+    ref_loss, ref_stats = objective.dflash_loss(logits, labels, valid, 3.0)
     ref_loss.backward()
     h_fast = h.clone().requires_grad_(True)
     loss, stats = fast_paths.lm_head_loss(h_fast, w, labels, valid, 3.0, chunk=chunk)
@@ -41,7 +42,8 @@ def test_lm_head_loss_without_grad_and_frozen_head_required():
     h, w, labels, valid = _case(4)
     with torch.no_grad():
         loss, stats = fast_paths.lm_head_loss(h, w, labels, valid, 7.0, chunk=8)
-        ref, ref_stats = dm.dflash_loss(dm.draft_logits(h, w, *labels.shape[1:]), labels, valid, 7.0)
+        logits = objective.draft_logits(h, w, *labels.shape[1:])
+        ref, ref_stats = objective.dflash_loss(logits, labels, valid, 7.0)
     assert torch.allclose(loss.double(), ref.double(), rtol=1e-6) and stats == ref_stats
     with pytest.raises(ValueError, match="frozen"):
         fast_paths.lm_head_loss(h, w.clone().requires_grad_(True), labels, valid, 7.0)

@@ -12,19 +12,17 @@
 - `target_features`: the target's tapped hidden states without the padding mask (SDPA's causal
   flash kernel instead of a materialised mask) and without the layers after the last tap;
   target_model.Target.context_features uses it.
+Training takes them when `train.fast_paths` is true (the default); false: the reference paths (full
+logits, foreach AdamW, torch's flex kernel options, the target's padding-mask forward, nothing of the
+target compiled). training.apply_compile and DrafterWorker decide, from the config; nothing here
+reads a global switch.
 """
 
 from __future__ import annotations
 
-import os
-
 import compile_safety
 import objective
 import torch
-
-# DFLASH_FAST_PATHS=0: training takes the reference paths (plain loss, foreach AdamW, default
-# flex kernel options); the bench flips this to measure both in one run.
-ENABLED = os.environ.get("DFLASH_FAST_PATHS", "1").strip() not in ("0", "false", "off", "no")
 
 # Chunk rows so that one chunk's fp32 logits stay near 1 GiB (2048 rows at V = 151936).
 _CHUNK_ELEMENTS = 2048 * 151936
@@ -40,7 +38,7 @@ FLEX_KERNEL_OPTIONS: dict[int, dict] = {
 
 def flex_kernel_options(head_dim: int | None) -> dict | None:
     """Tuned options for this head_dim on CUDA, or None (torch's defaults)."""
-    if not ENABLED or head_dim is None or not torch.cuda.is_available():
+    if head_dim is None or not torch.cuda.is_available():
         return None
     return FLEX_KERNEL_OPTIONS.get(int(head_dim))
 
@@ -66,7 +64,7 @@ _compiled: dict[bool, object] = {}  # need_grad -> the compiled chunk (compile_l
 def compile_lm_head_loss() -> int:
     """Compile the chunk arithmetic of lm_head_loss (one region per need_grad value), each call
     behind COMPILE_LOCK; it runs compiled on CUDA only. Returns the number of regions compiled."""
-    if not ENABLED or not compile_safety.current_settings().enabled:
+    if not compile_safety.current_settings().enabled:
         return 0
     for need_grad in (True, False):
         if need_grad not in _compiled:
@@ -139,10 +137,11 @@ def lm_head_loss(hidden, lm_head_weight, labels, valid, gamma: float, chunk: int
     return loss, objective.prediction_stats(argmax.view_as(labels), labels, valid)
 
 
-def adamw(params, **kwargs) -> torch.optim.AdamW:
-    """AdamW; the fused CUDA kernel (one launch per step) when every parameter is on CUDA."""
+def adamw(params, fused: bool = True, **kwargs) -> torch.optim.AdamW:
+    """AdamW; with `fused`, the fused CUDA kernel (one launch per step) when every parameter is on
+    CUDA."""
     params = list(params)
-    fused = ENABLED and bool(params) and all(p.is_cuda for p in params)
+    fused = fused and bool(params) and all(p.is_cuda for p in params)
     return torch.optim.AdamW(params, fused=fused, **kwargs) if fused else \
         torch.optim.AdamW(params, **kwargs)
 

@@ -66,8 +66,11 @@ def measure(args) -> dict:
     measured_on = [first] if fits else target_devices
     print(f"plan: loading the target ({weights / 2**30:.1f} GiB) on {','.join(measured_on)}",
           flush=True)
-    target = Target(path, measured_on, config.target.dtype, layer_ids)
+    target = Target(path, measured_on, config.target.dtype, layer_ids,
+                    fast_paths=config.train.fast_paths)
     drafters = training.build_drafters(config, target, tokenizer, drafter_devices[:1])
+    log.info("compile: %s", training.apply_compile(config.compile, config.train.fast_paths,
+                                                    target, drafters))
     worker = drafters.workers[0]
 
     print("plan: timing the target's forward", flush=True)

@@ -9,11 +9,11 @@ Placement (`target.placement`):
 - `auto`: replicate when weights plus activations fit every target device's free memory, else
   split (`choose_placement`, a pure function; the training log and RUN/placement.json say why).
 
-Fast path (fast_paths.ENABLED, the default): for right-padded batches (dflash_data.collate) the
-features come from fast_paths.target_features (no padding mask, no layers after the last tap).
-`compile_layers()` (called by training.apply_compile, never implicitly) compiles each decoder
-layer up to the last tap on CUDA, behind compile_safety's lock like every compiled call
-(bench/RESULTS.md: 54.6% -> 83.7% MFU at the Qwen3-8B shape). `reference_features` is the plain
+Fast path (`fast_paths=True`, training's `train.fast_paths`, the default): for right-padded batches
+(dflash_data.collate) the features come from fast_paths.target_features (no padding mask, no layers
+after the last tap). `compile_layers()` (called by training.apply_compile, never implicitly)
+compiles each decoder layer up to the last tap on CUDA, behind compile_safety's lock like every
+compiled call (bench/RESULTS.md: 54.6% -> 83.7% MFU at the Qwen3-8B shape). `reference_features` is the plain
 transformers path. `warm_compiled_layers` fills the compile cache with the target's layer graph
 without loading its weights, for warmup_compile.py.
 
@@ -236,16 +236,16 @@ class Target:
     """A frozen causal LM that yields DFlash context features, split or replicated."""
 
     def __init__(self, path: str, devices: list[str], dtype: str,
-                 layer_ids: list[int] | None = None, placement: str = "split"):
-        self.path = path
+                 layer_ids: list[int] | None = None, placement: str = "split", fast_paths: bool = True):
+        self.path, self.fast_paths = path, fast_paths
         self._place(load_causal_lm(path, dtype), devices, layer_ids, placement)
 
     @classmethod
     def from_model(cls, model: nn.Module, devices: list[str], layer_ids: list[int],
-                   placement: str = "split") -> Target:
+                   placement: str = "split", fast_paths: bool = True) -> Target:
         """A Target around a frozen model already in memory (the benchmarks' random weights)."""
         target = cls.__new__(cls)
-        target.path = None
+        target.path, target.fast_paths = None, fast_paths
         target._place(model.requires_grad_(False).eval(), devices, layer_ids, placement)
         return target
 
@@ -285,7 +285,7 @@ class Target:
         before its anchor).
         """
         model, device = self.replicas[replica], self.replica_devices[replica]
-        if not (has_fast_path(model) and right_padded(attention_mask)):
+        if not (self.fast_paths and has_fast_path(model) and right_padded(attention_mask)):
             return self.reference_features(input_ids, attention_mask, out_device, replica)
         started = time.perf_counter()
         features = fast_paths.target_features(model, input_ids.to(device), self.layer_ids,
@@ -306,8 +306,9 @@ class Target:
         return torch.cat(taps, dim=-1)
 
     def compile_layers(self) -> int:
-        """On CUDA with compile enabled: every replica's layers up to the last tap, once."""
-        if self.compiled_layers or not compile_layers_wanted(self.devices):
+        """On CUDA with compile enabled and the fast path on: every replica's layers up to the last
+        tap, once."""
+        if self.compiled_layers or not (self.fast_paths and compile_layers_wanted(self.devices)):
             return self.compiled_layers
         for model in self.replicas:
             self.compiled_layers = compile_layers(model, max(self.layer_ids) + 1)
@@ -315,9 +316,9 @@ class Target:
 
 
 def has_fast_path(model: nn.Module) -> bool:
-    """fast_paths.target_features applies: enabled, and a decoder of model.model.layers + norm."""
+    """fast_paths.target_features applies to this model: a decoder of model.model.layers + norm."""
     inner = getattr(model, "model", None)
-    return fast_paths.ENABLED and isinstance(getattr(inner, "layers", None), nn.ModuleList) \
+    return isinstance(getattr(inner, "layers", None), nn.ModuleList) \
         and isinstance(getattr(inner, "norm", None), nn.Module)
 
 
@@ -328,7 +329,7 @@ def right_padded(attention_mask) -> bool:
 
 
 def compile_layers_wanted(devices: list[str]) -> bool:
-    return fast_paths.ENABLED and compile_safety.current_settings().enabled and \
+    return compile_safety.current_settings().enabled and \
         all(str(d).startswith("cuda") for d in devices)
 
 
@@ -353,7 +354,8 @@ def _one_layer_per_kind(config) -> int:
 
 
 @torch.no_grad()
-def warm_compiled_layers(path: str, dtype: str, devices: list[str], batch: int, seq: int) -> dict:
+def warm_compiled_layers(path: str, dtype: str, devices: list[str], batch: int, seq: int,
+                         fast_paths: bool = True) -> dict:
     """Compile the target's decoder-layer graph(s) into the compile cache, weights not loaded.
 
     A random-weight model of the target's config cut to one layer of each kind runs the fast path
@@ -362,7 +364,7 @@ def warm_compiled_layers(path: str, dtype: str, devices: list[str], batch: int, 
     Returns {"layers": layer graphs per device, "devices": n, "seconds": s}.
     """
     devices = list(dict.fromkeys(devices))
-    if not compile_layers_wanted(devices):
+    if not (fast_paths and compile_layers_wanted(devices)):
         return {"layers": 0, "devices": 0, "seconds": 0.0}
     config = load_target_config(path)
     text = getattr(config, "text_config", None) or config

@@ -122,6 +122,9 @@ class TrainConfig:
     # prepare step n+1's batches (target forward, anchors, masks) in a background thread while
     # the drafters train on step n; the same batches, in the same order, either way
     prefetch_target: bool = True
+    # the GPU-speed paths of fast_paths.py (chunked LM-head loss, fused AdamW, tuned flex kernels,
+    # the target's maskless forward and compiled layers); false: the reference paths, same results
+    fast_paths: bool = True
 
     def __post_init__(self):
         _check_types(self, "train")

@@ -4,9 +4,9 @@
         [--target-devices cuda:0,cuda:1] [--drafter-devices cuda:5,cuda:6,cuda:7]
         [--run-dir DIR] [--max-steps N]
 
-config -> devices -> data -> target -> drafters -> compile (warm every shape in the main thread)
--> loop (one worker thread per drafter device, gradients averaged every step) -> checkpoints.
-Resumes from RUN/checkpoints/latest automatically; on SIGTERM writes a checkpoint and exits 0.
+config -> devices -> data -> target -> drafters (resumed from RUN/checkpoints/latest) -> compile
+-> warm-up (every shape, in the main thread) -> loop (one worker thread per drafter device,
+gradients averaged every step, checkpoints). On SIGTERM writes a checkpoint and exits 0.
 --max-steps N stops at step N; the LR schedule still follows train.max_steps.
 """
 
@@ -52,13 +52,7 @@ def train(args) -> int:
     stop = StopFlag()
     # config
     config = config_from_args(args)
-    run_dir = resolve_path(config.train.run_dir)
-    os.makedirs(run_dir, exist_ok=True)
-    ready_marker = os.path.join(run_dir, "ready")
-    if os.path.exists(ready_marker):  # an earlier launch's: the launch wait must see only ours
-        os.remove(ready_marker)
-    setup_logging(run_dir)
-    checkpoints.write_atomic(os.path.join(run_dir, "config.yaml"), dump_yaml(config))
+    run_dir = open_run_dir(config)
     stop_step = stop_step_of(config, args.max_steps)
     training.seed_everything(config.train.seed)
 
@@ -73,25 +67,23 @@ def train(args) -> int:
     train_examples, heldout_examples = load_data(config, tokenizer, target_path, run_dir)
     sampler = Sampler(len(train_examples), config.train.seed)
 
-    # target, drafters, compile settings (one worker per drafter device, identical replicas)
+    # target
     target = load_target(config, target_path, target_devices, run_dir)
+
+    # drafters: one worker per drafter device, identical replicas, resumed from the latest checkpoint
     drafters = training.build_drafters(config, target, tokenizer, drafter_devices)
     workers = drafters.workers
     # multi-node (under torchrun): gradients, metrics and SIGTERM across nodes; else a no-op
     node = distributed.maybe_init_distributed(drafter_devices[0], len(workers), stop)
-    node.share_latest_checkpoint(run_dir, config.train.keep_last)
-    step = 0
-    resume_from = checkpoints.latest_checkpoint(run_dir)
-    if resume_from:
-        step = checkpoints.restore(resume_from, workers, sampler)
-        log.info("resumed from %s at step %d", resume_from, step)
+    step = resume(run_dir, config, node, workers, sampler)
+
+    # compile
+    log.info("compile: %s", training.apply_compile(config.compile, config.train.fast_paths,
+                                                    target, drafters))
     eval_batches = make_eval_batches(config, target, drafters, heldout_examples)
+    mark_ready(run_dir, step, len(workers))
 
-    # ready: the launch wait (invoke train) returns on this marker or on the first step's line
-    checkpoints.write_atomic(ready_marker, json.dumps({"step": step, "time": time.time()}) + "\n")
-    log.info("ready: target and %d drafter worker(s) built, starting at step %d", len(workers), step)
-
-    # compile: every shape the workers will run, in the main thread, before they start
+    # warm-up: every shape the workers will run, in the main thread, before they start
     warm_examples = train_examples[: config.train.batch_size]
     timings = training.warm_up(workers, lambda w: training.worker_batch(
         config, target, drafters, w, warm_examples,
@@ -99,7 +91,7 @@ def train(args) -> int:
     log.info("warm-up (main thread) done in %.1f s for %d shape(s)%s", sum(timings.values()),
              len(timings), "" if config.compile.enabled else "; compile is off")
 
-    # loop
+    # loop: one worker thread per drafter device, gradients averaged every step
     metrics = checkpoints.open_for_append(os.path.join(run_dir, "metrics.jsonl"))
     pool = ThreadPoolExecutor(max_workers=len(workers), thread_name_prefix="drafter")
     feed = BatchFeed(config, train_examples, sampler, node, target, drafters, stop_step)
@@ -137,6 +129,39 @@ def train(args) -> int:
     metrics.close()
     node.close()
     return 0
+
+
+def open_run_dir(config) -> str:
+    """The run directory, made if new, with its log opened and the resolved config.yaml written; an
+    earlier launch's `ready` is removed (the launch wait must see only ours)."""
+    run_dir = resolve_path(config.train.run_dir)
+    os.makedirs(run_dir, exist_ok=True)
+    ready_marker = os.path.join(run_dir, "ready")
+    if os.path.exists(ready_marker):
+        os.remove(ready_marker)
+    setup_logging(run_dir)
+    checkpoints.write_atomic(os.path.join(run_dir, "config.yaml"), dump_yaml(config))
+    return run_dir
+
+
+def resume(run_dir: str, config, node, workers, sampler) -> int:
+    """The step to start from: that of RUN/checkpoints/latest, restored into every worker and the
+    sampler (multi-node: rank 0's, shared first), or 0."""
+    node.share_latest_checkpoint(run_dir, config.train.keep_last)
+    resume_from = checkpoints.latest_checkpoint(run_dir)
+    if not resume_from:
+        return 0
+    step = checkpoints.restore(resume_from, workers, sampler)
+    log.info("resumed from %s at step %d", resume_from, step)
+    return step
+
+
+def mark_ready(run_dir: str, step: int, workers: int) -> None:
+    """RUN/ready and the `ready:` line: the target and the drafters are built (the launch wait
+    reports it when no step comes in time)."""
+    checkpoints.write_atomic(os.path.join(run_dir, "ready"),
+                             json.dumps({"step": step, "time": time.time()}) + "\n")
+    log.info("ready: target and %d drafter worker(s) built, starting at step %d", workers, step)
 
 
 def load_data(config, tokenizer, target_path: str, run_dir: str) -> tuple[list, list]:
@@ -178,7 +203,8 @@ def load_target(config, path: str, devices: list[str], run_dir: str) -> Target:
         "devices": devices, "weights_gib": round(weights / 2**30, 2),
         "activations_gib": round(activations / 2**30, 2)}) + "\n")
     started = time.perf_counter()
-    target = Target(path, devices, config.target.dtype, layer_ids, placement)
+    target = Target(path, devices, config.target.dtype, layer_ids, placement,
+                    fast_paths=config.train.fast_paths)
     log.info("target: %d replica(s) loaded in %.1f s", len(target.replicas),
              time.perf_counter() - started)
     return target

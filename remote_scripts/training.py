@@ -5,7 +5,7 @@ copies of the target's embeddings and LM head). Workers run as threads of one pr
 (target forward, anchors, masks) come from batch_feed.BatchFeed (a step ahead, in background
 threads, during training); the main thread averages the gradients and runs evaluation and
 warm-up. Every compiled call goes through compile_safety (one process-wide lock), whichever
-thread makes it; `apply_compile` lists the compiled regions.
+thread makes it; `apply_compile` lists the compiled regions and installs them.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import objective
 import torch
 import torch.nn.functional as F
 from dflash_data import collate, load_examples
-from train_config import Config, ConfigError, resolve_path
+from train_config import CompileConfig, Config, ConfigError, resolve_path
 
 log = logging.getLogger("dflash.train")
 
@@ -81,11 +81,11 @@ def memory_gib(devices: list[str]) -> float:
 
 # ----------------------------------------------------------------------------- attention / compile
 
-def make_attention(config: Config):
-    """(attention_fn, mask_builder, description) for the configured path."""
-    if config.model.attention == "dense":
+def make_attention(kind: str, compiled: bool):
+    """(attention_fn, mask_builder, description) for model.attention = `kind`; flex compiled or not."""
+    if kind == "dense":
         return dm.dense_attention, dm.dense_dflash_mask, "dense reference attention (no compile)"
-    if config.compile.enabled:
+    if compiled:
         flex = compile_safety.compiled_flex_attention()
         what = "compiled flex_attention (every call under COMPILE_LOCK)"
     else:
@@ -94,36 +94,34 @@ def make_attention(config: Config):
     return dm.make_flex_attention(flex), dm.flex_dflash_mask, what
 
 
-def configure_compile(config: Config, cache_dir: str, head_dim: int | None = None) -> None:
-    compile_safety.configure_compile(cache_dir=cache_dir,
-                                     recompile_limit=config.compile.recompile_limit,
-                                     enabled=config.compile.enabled,
-                                     kernel_options=fast_paths.flex_kernel_options(head_dim))
+def configure_compile(settings: CompileConfig, kernel_options: dict | None = None) -> None:
+    """compile_safety's process-wide settings from the config's compile section."""
+    compile_safety.configure_compile(cache_dir=resolve_path(settings.cache_dir),
+                                     recompile_limit=settings.recompile_limit,
+                                     enabled=settings.enabled, kernel_options=kernel_options)
 
 
-@dataclass
-class Compiled:
-    attention: object         # the drafter's attention function
-    build_mask: object        # its mask builder
-    description: str
-
-
-def apply_compile(config: Config, target, head_dim: int) -> Compiled:
+def apply_compile(settings: CompileConfig, fast: bool, target, drafters: Drafters) -> str:
     """Compile settings, then the three compiled regions, in the order a step runs them:
 
     1. the target's decoder layers up to the last tap (every replica; CUDA fast path only),
     2. the drafter's flex_attention (one process-wide wrapper; compile.enabled, model.attention=flex),
+       installed in every worker,
     3. the LM-head loss chunk of fast_paths.lm_head_loss (runs compiled on CUDA only).
-    torch.compile is lazy: each region compiles on its first call, which warm_up makes in the
-    main thread. Every call of every region holds compile_safety.COMPILE_LOCK.
+    `fast` is train.fast_paths: off, the flex kernels keep torch's options and regions 1 and 3 are
+    not compiled. torch.compile is lazy: each region compiles on its first call, which warm_up makes
+    in the main thread. Every call of every region holds compile_safety.COMPILE_LOCK. Returns what
+    was compiled, for the log.
     """
-    configure_compile(config, resolve_path(config.compile.cache_dir), head_dim)
+    head_dim = drafters.template.config.head_dim
+    configure_compile(settings, fast_paths.flex_kernel_options(head_dim) if fast else None)
     layers = target.compile_layers()
-    attention, build_mask, description = make_attention(config)
-    heads = fast_paths.compile_lm_head_loss()
+    attention, build_mask, description = make_attention(drafters.attention_kind, settings.enabled)
+    drafters.use_attention(attention, build_mask)
+    heads = fast_paths.compile_lm_head_loss() if fast else 0
     if layers or heads:
         description += f"; compiled: {layers} target layer(s) per replica, {heads} LM-head region(s)"
-    return Compiled(attention, build_mask, description)
+    return description + ("" if fast else "; fast paths off (train.fast_paths=false)")
 
 
 # ----------------------------------------------------------------------------- batches
@@ -197,8 +195,8 @@ class DrafterWorker:
                             else head_weight.detach().to(device, frozen_dtype))
         self.attention = attention
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
-        self.optimizer = fast_paths.adamw(self.params, lr=config.train.lr,
-                                          weight_decay=config.train.weight_decay)
+        self.optimizer = fast_paths.adamw(self.params, fused=config.train.fast_paths,
+                                          lr=config.train.lr, weight_decay=config.train.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
 
     def _autocast(self):
@@ -212,7 +210,7 @@ class DrafterWorker:
             noise = F.embedding(batch.noise_ids, self.embed_weight)
             hidden = self.drafter(batch.target_hidden, noise, batch.position_ids, batch.mask,
                                   self.attention)
-            if not fast_paths.ENABLED:  # the reference path: materialises [B*N*bs, V] logits
+            if not self.config.train.fast_paths:  # the reference path: [B*N*bs, V] logits
                 logits = objective.draft_logits(hidden, self.head_weight, batch.num_blocks,
                                          self.config.model.block_size)
                 return objective.dflash_loss(logits, batch.labels, batch.valid, self.config.model.gamma)
@@ -352,24 +350,31 @@ class Drafters:
     workers: list
     template: dm.DFlashDrafter
     mask_token_id: int
-    build_mask: object
+    attention_kind: str       # model.attention: flex | dense
+    build_mask: object        # the mask builder of the workers' attention
+
+    def use_attention(self, attention, build_mask) -> None:
+        """Every worker attends with `attention`; batches get masks from `build_mask`."""
+        for worker in self.workers:
+            worker.attention = attention
+        self.build_mask = build_mask
 
 
 def build_drafters(config: Config, target, tokenizer, drafter_devices: list[str]) -> Drafters:
-    """Drafter config from the target, one seeded init, compile, one worker per device."""
+    """Drafter config from the target, one seeded init, one worker per device (uncompiled
+    attention until apply_compile)."""
     vocab_size = dm.text_config(target.config).vocab_size
     mask_token_id = resolve_mask_token_id(config, tokenizer, vocab_size)
     init_device = drafter_devices[0] if drafter_devices[0].startswith("cuda") else "cpu"
     template = build_drafter_template(config, target.config, mask_token_id, target.layer_ids,
                                       init_device)
-    compiled = apply_compile(config, target, template.config.head_dim)
+    attention, build_mask, _ = make_attention(config.model.attention, compiled=False)
     workers = [DrafterWorker(i, device, template, config, target.embed_weight,
-                             target.lm_head_weight, compiled.attention)
+                             target.lm_head_weight, attention)
                for i, device in enumerate(drafter_devices)]
-    log.info("drafter: %d layers, %.1fM parameters, taps %s, block %d, mask token %d; %s",
+    log.info("drafter: %d layers, %.1fM parameters, taps %s, block %d, mask token %d; %d worker(s)",
              template.config.num_hidden_layers, dm.parameter_count(template) / 1e6,
-             template.target_layer_ids, config.model.block_size, mask_token_id,
-             compiled.description)
+             template.target_layer_ids, config.model.block_size, mask_token_id, len(workers))
     # worker 0's replica stands for the template from here: the template itself (on the first
     # drafter GPU in training) would otherwise hold a second copy of the weights there
-    return Drafters(workers, workers[0].drafter, mask_token_id, compiled.build_mask)
+    return Drafters(workers, workers[0].drafter, mask_token_id, config.model.attention, build_mask)

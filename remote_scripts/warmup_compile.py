@@ -46,13 +46,16 @@ def warm(args) -> int:
     layer_ids = training.target_layer_ids(config, load_target_config(target_path))
     target = ShapeOnlyTarget(target_path, config.target.dtype, layer_ids)
     drafters = training.build_drafters(config, target, tokenizer, drafter_devices)
+    log.info("compile: %s", training.apply_compile(config.compile, config.train.fast_paths,
+                                                    target, drafters))
 
     started = time.perf_counter()
     timings = training.warm_up(drafters.workers, lambda worker: training.worker_batch(
         config, target, drafters, worker, examples,
         training.anchor_generator(config.train.seed, -2, worker.index)))
     layers = warm_compiled_layers(target_path, config.target.dtype, target_devices,
-                                  config.train.batch_size, config.data.max_length)
+                                  config.train.batch_size, config.data.max_length,
+                                  config.train.fast_paths)
     if layers["layers"]:
         log.info("target: %d decoder layer graph(s) compiled on %d device(s) in %.1f s",
                  layers["layers"], layers["devices"], layers["seconds"])

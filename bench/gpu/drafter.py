@@ -9,6 +9,7 @@ backward on the P unmasked pairs.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import time
@@ -74,7 +75,7 @@ def make_batch(config, dcfg, device, seed=0):
 def run_one(results, device, target_shape: dict, label: str, variants, smoke: bool,
             cache_dir: str, ceiling: float, iters: int = 8):
     config = make_config(cache_dir, smoke)
-    training.configure_compile(config, cache_dir)
+    training.configure_compile(config.compile)  # compile.cache_dir is cache_dir
     fast_paths.compile_lm_head_loss()  # the LM-head region, as training.apply_compile does
     target_cfg = Qwen3Config(**target_shape)
     vocab = target_shape["vocab_size"]
@@ -94,8 +95,10 @@ def run_one(results, device, target_shape: dict, label: str, variants, smoke: bo
         try:
             from torch.nn.attention.flex_attention import flex_attention
             # plain: the reference paths (fast_paths off); otherwise the project's training path
-            fast_paths.ENABLED = variant != "plain"
-            opts = fast_paths.flex_kernel_options(dcfg.head_dim) or {}
+            fast = variant != "plain"
+            variant_config = dataclasses.replace(
+                config, train=dataclasses.replace(config.train, fast_paths=fast))
+            opts = (fast_paths.flex_kernel_options(dcfg.head_dim) if fast else None) or {}
             if config.model.attention == "dense":
                 attention = dm.dense_attention
             elif "compiled_layers" in variant:  # the layer's compile traces flex_attention itself
@@ -108,7 +111,8 @@ def run_one(results, device, target_shape: dict, label: str, variants, smoke: bo
                 def attention(q, k, v, mask, scale, _f=flex, _o=opts):
                     return _f(q, k, v, block_mask=mask, scale=scale, enable_gqa=True,
                               kernel_options=_o)
-            worker = training.DrafterWorker(0, device, template, config, embed, head, attention)
+            worker = training.DrafterWorker(0, device, template, variant_config, embed, head,
+                                            attention)
             if "compiled_layers" in variant:
                 for layer in worker.drafter.layers:
                     layer.compile(dynamic=False)
@@ -141,7 +145,6 @@ def run_one(results, device, target_shape: dict, label: str, variants, smoke: bo
             results.add("drafter_step", f"{label}:{variant}",
                         note=f"FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
         finally:
-            fast_paths.ENABLED = True
             worker = step = None  # drops the worker (step holds it too)
             gc.collect()
             if device != "cpu":

@@ -302,8 +302,10 @@ def alone(results, config_path, target_path, data, cache, steps, smoke, sampler)
                              config.data.end_of_turn, config.data.max_length)
     from target_model import load_target_config
     target = Target(target_path, [dev], config.target.dtype,
-                    training.target_layer_ids(config, load_target_config(target_path)))
+                    training.target_layer_ids(config, load_target_config(target_path)),
+                    fast_paths=config.train.fast_paths)
     drafters = training.build_drafters(config, target, tokenizer, drafter_devs)
+    training.apply_compile(config.compile, config.train.fast_paths, target, drafters)
     workers = drafters.workers
 
     def time_all(fn, warmup, iters):  # synchronise every device of the layout, not only one

@@ -51,6 +51,7 @@ train.eval_batches           | all     | 0
 train.save_every             | 2.5     | 0
 train.keep_last              | .nan    | 0
 train.prefetch_target        | maybe   | -
+train.fast_paths             | maybe   | -
 compile.enabled              | maybe   | -
 compile.cache_dir            | [a]     | ""
 compile.recompile_limit      | lots    | 0

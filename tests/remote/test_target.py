@@ -91,11 +91,8 @@ def test_left_padded_batches_keep_the_reference_path(tiny_target):
                                target.reference_features(ids, mask, "cpu"), rtol=0, atol=0)
 
 
-def test_fast_path_switch_off_restores_the_reference(tiny_target, monkeypatch):
-    import fast_paths
-
-    monkeypatch.setattr(fast_paths, "ENABLED", False)
-    target = Target(tiny_target, ["cpu"], "float32", layer_ids=[1])
+def test_fast_path_switch_off_restores_the_reference(tiny_target):
+    target = Target(tiny_target, ["cpu"], "float32", layer_ids=[1], fast_paths=False)
     ids, mask = _padded([8, 3], 8, seed=2)
     torch.testing.assert_close(target.context_features(ids, mask, "cpu"),
                                target.reference_features(ids, mask, "cpu"), rtol=0, atol=0)

@@ -185,3 +185,20 @@ def test_replicated_and_split_targets_train_the_same_run(tiny_target, tmp_path):
                              for p in ("split", "replicate"))
         assert split[1]["sampler"] == replicated[1]["sampler"]
         assert all(torch.equal(split[0][k], replicated[0][k]) for k in split[0])
+
+
+def test_fast_paths_off_is_recorded_and_trains_the_same_run(tiny_target, tmp_path):
+    """train.fast_paths=false takes the reference paths (full logits, the target's padding-mask
+    forward): the same run within float error, and config.yaml says which paths ran."""
+    import yaml
+
+    losses = {}
+    for fast in (True, False):
+        run = str(tmp_path / f"fast-{fast}")
+        result = run_script("train_dflash.py", *tiny_args(
+            tiny_target, run, *QUICK, f"train.fast_paths={str(fast).lower()}"), "--max-steps", "2")
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert yaml.safe_load(open(os.path.join(run, "config.yaml")))["train"]["fast_paths"] is fast
+        assert ("fast paths off" in result.stdout) is not fast
+        losses[fast] = [r["loss"] for r in read_metrics(run, "train")]
+    assert len(losses[True]) == 2 and losses[True] == pytest.approx(losses[False], rel=1e-4)

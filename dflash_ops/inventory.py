@@ -305,7 +305,7 @@ def _host(r: _Reader, name, raw, base: Path) -> Host:
         known_hosts=_expand(r.text(raw.get("known_hosts", "~/.ssh/known_hosts"), f"{key}.known_hosts"), base),
         jump=r.text(raw.get("jump"), f"{key}.jump", optional=True),
         node=r.text(raw.get("node"), f"{key}.node", optional=True),
-        pct=r.text(raw.get("pct", "pct"), f"{key}.pct"),
+        pct=_pct(r, raw.get("pct", "pct"), f"{key}.pct"),
         become=_become(r, raw.get("become"), f"{key}.become"),
         control_persist=persist,
     )
@@ -316,6 +316,14 @@ def _become(r: _Reader, raw, key: str) -> str | None:
         r.fail(key, f"must be one of {', '.join(commands.BECOME)} (or left out when the user is root), "
                     f"got {raw!r}")
     return raw
+
+
+def _pct(r: _Reader, raw, key: str) -> str:
+    """A command name or path: one starting with `-` would be read as an option (of sudo, of env)."""
+    pct = r.text(raw, key)
+    if not pct or pct.startswith("-"):
+        r.fail(key, f"must be the pct command or its path (not empty, not starting with '-'), got {pct!r}")
+    return pct
 
 
 def _address(r: _Reader, raw, key: str, *, optional=False) -> str | None:

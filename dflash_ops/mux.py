@@ -9,9 +9,18 @@ drops.
 
 What goes through a master: command lines without a pty (`HostSession.run`). A pty, SFTP and file
 streams open the task's own connection, as before. The master is found by a name made of everything
-that decides where and how to connect (user, address, port, key, the known_hosts file and its
-contents, the jump host): a re-pinned host key or another key means another master. Its socket lives
-in a directory only this user can use, and it serves only clients of this user (SO_PEERCRED).
+that decides where and how to connect (user, address, port, key, the known_hosts file, the jump
+host), so `invoke disconnect` finds it from the inventory's host, also after a re-pin. Its socket
+lives in a directory only this user can use, and it serves only clients of this user (SO_PEERCRED).
+Nothing of the host is in the master's argv (its spec comes on stdin): `ps` shows
+`python -m dflash_ops.mux`, not the address, the user or the key's path.
+
+The host key is checked again while a master lives (`Master.host_key_changed`): at every command, the
+key its connection was opened with must still be the one known_hosts pins for the host (a re-pin to
+another key ends the master); and at the first command after HOST_KEY_RECHECK_S seconds without a
+check, the host is asked for its key anew (one key exchange, no authentication) and must offer the
+same one. A changed key: the master refuses the command (`R`) and leaves, and the client's own
+connection meets the changed key as any task does (HostKeyChanged, exit 4).
 
 Protocol on the socket, one command per client connection: the client sends a 4-byte big-endian
 length and a JSON header {"line": ...}; the master answers frames of one type byte, a 4-byte length and
@@ -46,6 +55,8 @@ HEADER_MAX = 1 << 20
 FRAME = struct.Struct(">cI")
 CHUNK = 1 << 16
 SUN_PATH_MAX = 107
+HOST_KEY_RECHECK_S = 5.0  # the longest a master serves on a host key it has not seen offered again
+SPEC_MAX = 1 << 16
 
 
 class Refused(Exception):
@@ -85,16 +96,17 @@ def private_dir(path: Path) -> bool:
 
 
 def _identity(host) -> list:
-    """What decides where and how `host` is reached, the pinned keys' contents included. A known_hosts
-    file that is not a regular file of bounded size is refused here as everywhere (InventoryError)."""
+    """What decides where and how `host` is reached; not the pinned keys themselves, which the master
+    checks at every command, so that a re-pinned host keeps its name (`disconnect` finds it). A
+    known_hosts file that is not a regular file of bounded size is refused here as everywhere
+    (InventoryError)."""
     from .localfiles import KNOWN_HOSTS_MAX, read_regular
 
     try:
-        known = read_regular(os.path.expanduser(host.known_hosts), KNOWN_HOSTS_MAX, "known_hosts file")
+        read_regular(os.path.expanduser(host.known_hosts), KNOWN_HOSTS_MAX, "known_hosts file")
     except FileNotFoundError:
-        known = None
-    digest = hashlib.sha256(known).hexdigest() if known is not None else None
-    return [host.user, host.address, host.port, host.key, host.known_hosts, digest]
+        pass
+    return [host.user, host.address, host.port, host.key, host.known_hosts]
 
 
 def socket_path(host, jump=None) -> Path:
@@ -216,9 +228,14 @@ def start_master(host, jump, persist: int, path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (package_parent, os.environ.get("PYTHONPATH")) if p)}
     # sh puts it in the background and exits: the master is nobody's child here, and the task does
-    # not wait for its connection.
-    subprocess.run(["/bin/sh", "-c", 'exec "$@" </dev/null >/dev/null 2>&1 &', "sh", sys.executable,
-                    "-m", "dflash_ops.mux", spec], env=env, cwd="/", start_new_session=True, check=False)
+    # not wait for its connection. The spec (address, user, key path) comes on its stdin, a pipe that
+    # holds it whole (SPEC_MAX), never in argv, which every local user can read in /proc.
+    if len(spec) > SPEC_MAX:
+        return
+    # (An asynchronous command's stdin is /dev/null unless redirected: hence fd 3.)
+    subprocess.run(["/bin/sh", "-c", 'exec 3<&0; exec "$@" <&3 3<&- >/dev/null 2>&1 &', "sh",
+                    sys.executable, "-m", "dflash_ops.mux"], input=spec.encode(), env=env, cwd="/",
+                   start_new_session=True, check=False)
 
 
 # --- master ---------------------------------------------------------------------------------------
@@ -229,6 +246,31 @@ class Master:
         self.leaving = False
         self.last = time.monotonic()
         self.lock = threading.Lock()
+        self.key = session.connect().transport.get_remote_server_key()
+        self.key_checked = time.monotonic()  # the connection verified it just now
+        self.key_lock = threading.Lock()
+
+    def host_key_changed(self) -> str:
+        """Why this master may not serve another command on its connection ("" : it may)."""
+        from .transport import host_key_pinned
+
+        with self.key_lock:
+            if not host_key_pinned(self.session.host, self.key):
+                return "known_hosts no longer pins the host key this connection was opened with"
+            if time.monotonic() - self.key_checked < HOST_KEY_RECHECK_S:
+                return ""
+            try:
+                offered = self.session.offered_host_key()
+            except Exception as exc:  # noqa: BLE001 - unreachable for a new connection: the client finds out
+                return f"cannot ask the host for its key again: {exc or type(exc).__name__}"
+            if offered != self.key:
+                return "the host offers another key than the one this connection was opened with"
+            self.key_checked = time.monotonic()
+            return ""
+
+    def leave(self) -> None:
+        self.leaving = True
+        self.path.unlink(missing_ok=True)
 
     def serve(self, listener: socket.socket) -> None:
         transport = self.session.connect().transport
@@ -269,11 +311,15 @@ class Master:
             return
         header = json.loads(_recv_exact(client, size))
         if header.get("exit"):
-            self.leaving = True
-            self.path.unlink(missing_ok=True)
+            self.leave()
             _send(client, b"x", b"0")
             return
         line = header["line"]
+        why = self.host_key_changed()
+        if why:  # the client connects itself and meets the key as any task does
+            self.leave()
+            _send(client, b"R", why.encode())
+            return
         client.settimeout(None)
         try:
             channel = transport.open_session(timeout=10)
@@ -313,6 +359,8 @@ def main(spec_text: str) -> int:
     import fcntl
 
     spec = json.loads(spec_text)
+    if not isinstance(spec, dict):
+        return 1
     path = Path(spec["path"])
     if not private_dir(path.parent):
         return 1
@@ -355,6 +403,6 @@ def main(spec_text: str) -> int:
 
 if __name__ == "__main__":
     try:
-        sys.exit(main(sys.argv[1]))
+        sys.exit(main(sys.stdin.read(SPEC_MAX + 1)))
     except Exception:  # noqa: BLE001 - nobody reads a master's errors; the next task connects itself
         sys.exit(1)

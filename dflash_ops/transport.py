@@ -534,16 +534,37 @@ class HostSession:
 
     # --- host keys --------------------------------------------------------------------------------
     def offered_host_key(self) -> paramiko.PKey:
-        """The key the host presents, fetched without trusting or saving it."""
+        """The key the host presents, fetched without trusting or saving it (through the jump host's
+        connection when this session has one open)."""
         import paramiko
 
-        sock = socket.create_connection((self.host.address, self.host.port), timeout=self.connect_timeout)
+        gateway = getattr(self._conn, "gateway", None) if self._conn is not None else None
+        if gateway is not None and gateway.transport is not None and gateway.transport.is_active():
+            sock = gateway.transport.open_channel("direct-tcpip", (self.host.address, self.host.port),
+                                                  ("127.0.0.1", 0), timeout=self.connect_timeout)
+        else:
+            sock = socket.create_connection((self.host.address, self.host.port),
+                                            timeout=self.connect_timeout)
         t = paramiko.Transport(sock)
         try:
             t.start_client(timeout=self.connect_timeout)
             return t.get_remote_server_key()
         finally:
             t.close()
+
+
+def host_key_pinned(host: Host, key: paramiko.PKey) -> bool:
+    """Whether the host's known_hosts file (read now) pins `key` for it."""
+    import paramiko
+
+    path = os.path.expanduser(host.known_hosts)
+    keys = paramiko.HostKeys()
+    try:
+        localfiles.check_file(path, localfiles.KNOWN_HOSTS_MAX, "known_hosts file")
+        keys.load(path)
+    except Exception:  # noqa: BLE001 - unreadable, special or malformed: not pinned
+        return False
+    return keys.check(known_hosts_name(host), key)
 
 
 def pin_host_key(host: Host, key: paramiko.PKey) -> str:

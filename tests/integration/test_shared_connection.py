@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from dflash_ops import errors, mux, transport
 from dflash_ops.inventory import load_inventory
@@ -42,13 +43,16 @@ def shared(sandbox, monkeypatch):
 
 
 def master_pids(path: Path) -> list[int]:
-    found = []
+    """The masters of this test's control dir: found by the environment they inherit (their argv holds
+    nothing of the host)."""
+    found, control = [], f"XDG_RUNTIME_DIR={path.parent.parent}".encode()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"dflash_ops.mux" in cmdline and str(path).encode() in cmdline:
+        if b"dflash_ops.mux" in cmdline and control in environ:
             found.append(int(pid))
     return found
 
@@ -228,3 +232,103 @@ def test_doctor_checks_a_connection_of_its_own(shared):
                        text=True, timeout=120)
     assert "pve1: 1 connection(s)" in r.stderr, r.stderr
     assert "host reachable" in r.stdout
+
+
+def test_the_masters_argv_shows_nothing_of_the_host(shared):
+    inv, ct, path = shared
+    transport.HostSession(ct.host).exec(ct, ["true"])
+    wait_for_master(path)
+    (pid,) = master_pids(path)
+    shown = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")  # what `ps` shows every user
+    for private in (ct.host.address, ct.host.key, ct.host.known_hosts, f'"user": "{ct.host.user}"',
+                    f'"port": {ct.host.port}', str(path)):
+        assert private.encode() not in shown, (private, shown)
+    assert shown.endswith(b"-m dflash_ops.mux "), shown
+
+
+def keygen(path: Path) -> tuple[str, str]:
+    """A new ed25519 key at `path`: its type and base64 blob."""
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True,
+                   stdin=subprocess.DEVNULL)
+    kind, blob = Path(f"{path}.pub").read_text().split()[:2]
+    return kind, blob
+
+
+def own_known_hosts(inv, tmp_path) -> tuple[Path, Path]:
+    """The inventory again, with a copy of its known_hosts file that the test may change."""
+    known = tmp_path / "known_hosts"
+    known.write_text(Path(inv.container(200).host.known_hosts).read_text())
+    data = yaml.safe_load(Path(inv.path).read_text())
+    for host in data["hosts"].values():
+        host["known_hosts"] = str(known)
+    variant = tmp_path / "inventory.yaml"
+    variant.write_text(yaml.safe_dump(data))
+    return variant, known
+
+
+def test_disconnect_finds_the_master_after_a_re_pin(shared, tmp_path):
+    inv, ct, path = shared
+    variant, known = own_known_hosts(inv, tmp_path)
+    host = load_inventory(variant).container(200).host
+    transport.HostSession(host).exec(ct, ["true"])
+    master = mux.socket_path(host)
+    wait_for_master(master)
+    # A re-pin rewrites known_hosts (trust-host); the host's own key stays pinned.
+    kind, blob = keygen(tmp_path / "other")
+    known.write_text(known.read_text() + f"other.example {kind} {blob}\n")
+    r = subprocess.run([str(REPO / ".venv/bin/invoke"), "disconnect", "--host", host.name, "--inventory",
+                        str(variant)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout == f"{host.name}: closed\n", r.stdout + r.stderr
+    deadline = time.monotonic() + 10
+    while master_pids(master):
+        assert time.monotonic() < deadline, "the master did not leave after disconnect"
+        time.sleep(0.1)
+
+
+def test_a_re_pinned_key_ends_the_master_at_its_next_command(shared, tmp_path):
+    """known_hosts now pins another key for the host: the master refuses to serve on the connection it
+    opened with the old one, and the task's own connection refuses the host (exit 4's error)."""
+    inv, ct, path = shared
+    variant, known = own_known_hosts(inv, tmp_path)
+    host = load_inventory(variant).container(200).host
+    transport.HostSession(host).exec(ct, ["true"])
+    wait_for_master(mux.socket_path(host))
+    kind, blob = keygen(tmp_path / "forged")
+    known.write_text(f"{transport.known_hosts_name(host)} {kind} {blob}\n")
+    with pytest.raises(errors.HostKeyChanged):
+        transport.HostSession(host).exec(ct, ["true"])
+
+
+def test_a_host_key_changed_while_a_master_lives_is_noticed(sandbox_factory, monkeypatch):
+    """The host starts offering another key (reinstalled, or someone else answers at its address) while a
+    master holds a connection opened with the old one: within HOST_KEY_RECHECK_S the master asks the host
+    for its key again, refuses, and the task meets the changed key on its own connection."""
+    box = sandbox_factory(containers=(200,))
+    control = Path(tempfile.mkdtemp(prefix="cp-"))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(control))
+    monkeypatch.setenv(mux.ENV, "60")
+    ct = load_inventory(box.inventory).container(200)
+    path = mux.socket_path(ct.host)
+    try:
+        transport.HostSession(ct.host).exec(ct, ["true"])
+        wait_for_master(path)
+        through = transport.HostSession(ct.host)
+        assert through.exec(ct, ["echo", "ok"]).stdout == "ok\n" and through.connections == 0
+        hdir = box.host("pve1").dir
+        for name in ("ssh_host_ed25519_key", "ssh_host_ed25519_key.pub"):
+            (hdir / name).unlink()
+        _, blob = keygen(hdir / "ssh_host_ed25519_key")
+        os.kill(box.host("pve1").sshd_pid, signal.SIGHUP)  # sshd re-executes: new connections get the new key
+        deadline = time.monotonic() + 30
+        while transport.HostSession(ct.host).offered_host_key().get_base64() != blob:
+            assert time.monotonic() < deadline, "sshd did not take its new host key"
+            time.sleep(0.1)
+        time.sleep(mux.HOST_KEY_RECHECK_S)  # the interval the master may serve on its last check
+        with pytest.raises(errors.HostKeyChanged, match="CHANGED"):
+            transport.HostSession(ct.host).exec(ct, ["true"])
+        assert not mux.answers(path)
+    finally:
+        mux.stop(path)
+        for pid in master_pids(path):
+            os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(control, ignore_errors=True)

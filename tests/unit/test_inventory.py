@@ -58,6 +58,8 @@ def test_good_inventory_loads_into_frozen_dataclasses():
     (["hosts", "pve1", "port"], "22", "hosts.pve1.port", "must be int"),
     (["hosts", "pve1", "port"], 70000, "hosts.pve1.port", "must be 1..65535"),
     (["hosts", "pve1", "address"], "-oProxyCommand=x", "hosts.pve1.address", "not a host name"),
+    (["hosts", "pve1", "pct"], "-u#0", "hosts.pve1.pct", "not starting with '-'"),
+    (["hosts", "pve1", "pct"], "", "hosts.pve1.pct", "not empty"),
     (["containers", 200, "env"], {"BAD-NAME": "1"}, "containers.200.env.BAD-NAME", "malformed"),
     (["containers", 200, "env"], {"OMP_NUM_THREADS": 2}, "containers.200.env.OMP_NUM_THREADS",
      "must be a string"),

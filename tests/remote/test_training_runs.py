@@ -202,3 +202,28 @@ def test_fast_paths_off_is_recorded_and_trains_the_same_run(tiny_target, tmp_pat
         assert ("fast paths off" in result.stdout) is not fast
         losses[fast] = [r["loss"] for r in read_metrics(run, "train")]
     assert len(losses[True]) == 2 and losses[True] == pytest.approx(losses[False], rel=1e-4)
+
+
+def test_the_first_step_of_every_launch_is_logged_in_the_line_the_launch_waits_for(tiny_target, tmp_path):
+    """`invoke train` waits for the first line matching container_runs.STEP. With log_every far
+    beyond the run, that line must still be step 1's (and, after a resume, the first resumed
+    step's), not the next multiple of log_every nor the stop step."""
+    import re
+
+    from dflash_ops.container_runs import READY, STEP
+
+    run = str(tmp_path / "run")
+    quiet = (*QUICK, "train.log_every=1000")
+    for stop, first in ((3, 1), (5, 4)):
+        log = os.path.join(run, "train.log")
+        offset = os.path.getsize(log) if os.path.exists(log) else 0
+        result = run_script("train_dflash.py", *tiny_args(tiny_target, run, *quiet), "--max-steps", str(stop))
+        assert result.returncode == 0, result.stderr[-3000:]
+        with open(log) as f:
+            f.seek(offset)
+            lines = f.read().splitlines()
+        ready = next(i for i, line in enumerate(lines) if re.match(READY, line))
+        steps = [(i, line) for i, line in enumerate(lines) if re.match(STEP, line)]
+        assert steps and steps[0][0] > ready, lines
+        assert f" INFO step {first}/{stop} | loss " in steps[0][1], steps[0][1]
+        assert [line.split(" INFO step ")[1].split("/")[0] for _, line in steps] == [str(first), str(stop)]

@@ -235,7 +235,11 @@ def save(run_dir, step, workers, sampler_state: dict, config, node, metrics) -> 
     diff = training.replica_max_diff(workers)
     write_metrics(metrics, {"kind": "checkpoint", "step": step, "path": path,
                             "replica_max_abs_diff": diff})
-    log.info("checkpoint %s (replicas differ by at most %.3g)", path, diff)
+    if diff:  # the replicas are one model; a difference means they drifted apart
+        log.warning("checkpoint %s: REPLICAS DIFFER by up to %.3g (the checkpoint holds worker 0's)",
+                    path, diff)
+    else:
+        log.info("checkpoint %s (replicas identical)", path)
 
 
 def write_metrics(stream, record: dict) -> None:

@@ -153,8 +153,9 @@ def _train_nodes(targets, run=None, config=None, set=None, max_steps=None, rdzv_
               "train_config)",
     "set": "override a config value, key=value (repeatable), passed to train_dflash.py as given",
     "max_steps": "stop at this step (the LR schedule still follows train.max_steps)",
-    "wait": "seconds to wait for the first training step, showing the log meanwhile (Ctrl-C ends "
-            "the wait only)",
+    "wait": "seconds to wait for the run to log its first training step (the `step N/M |` line in "
+            "train.log, written for the first step of every launch, resumes included), showing the "
+            "log meanwhile (Ctrl-C ends the wait only)",
     "no_wait": "return once the process is detached and alive, without waiting for its first step",
     "rdzv_port": "multi-node (--group or several --ct): the rendezvous port on the first container's node"},
          fan_out=_train_nodes)

@@ -35,7 +35,9 @@ METRIC_LINE_CAP = 65536   # a metrics line longer than this is dropped (counted)
 EVAL_CAP = 20000          # eval.json larger than this is not sent
 TAIL_WINDOW = 1 << 20     # bytes read from a file's end for its last lines
 METRICS_CAP = 16 << 20    # bytes of metrics.jsonl / evals.jsonl sent at most (the newest ones)
-STEP = r"^\S+ INFO step \d+/\d+ \|"  # the training script's step line: `wait` stops at the first
+# The training script's step line (train_dflash.log_train); it logs the first step of every launch,
+# whatever train.log_every, and `wait` stops at the first (tests/remote ties the two together).
+STEP = r"^\S+ INFO step \d+/\d+ \|"
 READY = r"^\S+ INFO ready:"  # logged once the target and the drafters are built
 
 # The wrapper: runs the training argv in the run's process group, records pid, exit code or signal.

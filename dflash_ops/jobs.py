@@ -359,8 +359,8 @@ class LaunchWatch:
 
     def _text(self, last: str) -> str:
         waited = time.monotonic() - self.started
-        return (f"waiting for run {self.run} on {self.label} to take its first step "
-                f"({waited:.0f} s of {self.timeout:g} s)"
+        return (f"waiting for run {self.run} on {self.label} to log its first training step "
+                f"(a `step N/M |` line in train.log; {waited:.0f} s of {self.timeout:g} s)"
                 + (f": {terminal.markup(last[:80])}" if last else ""))
 
     # a file-like out_stream for the transport

@@ -56,6 +56,7 @@ class RunStatus:
     slot_accuracy: list | None = None  # the last train metric's per-slot accuracy (slots 1..bs-1)
     checkpoint_step: int | None = None
     checkpoint_age_s: int | None = None
+    replicas_differ: float | None = None  # the last checkpoint's replica_max_abs_diff when not 0
     free_runs: int | None = None    # bytes free on paths.runs' filesystem
     free_shm: int | None = None     # bytes free on /dev/shm
     last_eval: dict | None = None   # the last `invoke eval` (eval.json): step, acceptance, speedup, ...
@@ -229,6 +230,8 @@ def _apply_metrics(st: RunStatus, lines: list[str]) -> None:
             train = record
         elif kind == "eval":
             evaluation = record
+        elif kind == "checkpoint":
+            st.replicas_differ = _num(record.get("replica_max_abs_diff")) or None
         step = _int(record.get("step")) if not isinstance(record.get("step"), str) else None
         if step is not None:
             st.step = max(st.step or 0, step)
@@ -387,6 +390,10 @@ def render(st: RunStatus, label: str, console=None) -> None:
     for warning in st.data_warnings:
         table.add_row("[yellow]data warning[/yellow]", escape(warning))
     table.add_row("code version", escape(st.code_version or "-"))
+    if st.replicas_differ:
+        table.add_row("[yellow]replicas differ[/yellow]",
+                      f"by up to {fmt(st.replicas_differ, '.3g')} at the last checkpoint (one model "
+                      "expected; see the WARNING in the log)")
     if st.last_error:
         table.add_row("last error", escape(st.last_error))
     console.print(table)

@@ -187,15 +187,23 @@ def save_training(run_dir: str, step: int, workers, sampler_state: dict, config)
 
 
 def restore(directory: str, workers, sampler) -> int:
-    """Load a checkpoint written by save_training into every worker and the sampler; returns its step."""
+    """Load a checkpoint written by save_training into every worker and the sampler; returns its step.
+
+    Each worker gets a copy of its own of the optimizer and scheduler state: load_state_dict keeps a
+    tensor that is already on the parameter's device, so workers on one device (cpu,cpu,cpu) given
+    the same dict would share exp_avg, exp_avg_sq and step, and each update would advance them
+    once per worker.
+    """
+    import copy
+
     from safetensors.torch import load_file
 
     weights = load_file(os.path.join(directory, "model.safetensors"))
     state = load_state(directory)
     for worker in workers:
         worker.drafter.load_state_dict(weights, strict=True)
-        worker.optimizer.load_state_dict(state["optimizer"])
-        worker.scheduler.load_state_dict(state["scheduler"])
+        worker.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+        worker.scheduler.load_state_dict(copy.deepcopy(state["scheduler"]))
     sampler.load_state_dict(state["sampler"])
     torch.set_rng_state(state["rng"]["torch"])
     return int(state["step"])

@@ -6,7 +6,8 @@
 
 config -> devices -> data -> target -> drafters (resumed from RUN/checkpoints/latest) -> compile
 -> warm-up (every shape, in the main thread) -> loop (one worker thread per drafter device,
-gradients averaged every step, checkpoints). On SIGTERM writes a checkpoint and exits 0.
+gradients averaged every step, checkpoints). The first step of every launch is logged (the launch
+waits for it), then every train.log_every steps. On SIGTERM writes a checkpoint and exits 0.
 --max-steps N stops at step N; the LR schedule still follows train.max_steps.
 """
 
@@ -98,6 +99,7 @@ def train(args) -> int:
     sampler_state = sampler.state_dict()
     window, window_start = [], time.perf_counter()
     devices = target_devices + drafter_devices
+    first_step = step + 1  # always logged: the launch waits for this line (container_runs.STEP)
     if step == 0 and eval_batches:
         evaluate(workers[0], eval_batches, metrics, step)
     while step < stop_step and not stop.requested:
@@ -110,7 +112,7 @@ def train(args) -> int:
         lr = workers[0].scheduler.get_last_lr()[0]
         list(pool.map(lambda w: w.update(), workers))
         window.append((results, tokens))
-        if step % config.train.log_every == 0 or step == stop_step:
+        if step == first_step or step % config.train.log_every == 0 or step == stop_step:
             log_train(metrics, step, stop_step, window, time.perf_counter() - window_start, lr,
                       devices)
             window, window_start = [], time.perf_counter()
@@ -233,7 +235,11 @@ def save(run_dir, step, workers, sampler_state: dict, config, node, metrics) -> 
     diff = training.replica_max_diff(workers)
     write_metrics(metrics, {"kind": "checkpoint", "step": step, "path": path,
                             "replica_max_abs_diff": diff})
-    log.info("checkpoint %s (replicas differ by at most %.3g)", path, diff)
+    if diff:  # the replicas are one model; a difference means they drifted apart
+        log.warning("checkpoint %s: REPLICAS DIFFER by up to %.3g (the checkpoint holds worker 0's)",
+                    path, diff)
+    else:
+        log.info("checkpoint %s (replicas identical)", path)
 
 
 def write_metrics(stream, record: dict) -> None:

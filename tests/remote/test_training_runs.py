@@ -202,3 +202,62 @@ def test_fast_paths_off_is_recorded_and_trains_the_same_run(tiny_target, tmp_pat
         assert ("fast paths off" in result.stdout) is not fast
         losses[fast] = [r["loss"] for r in read_metrics(run, "train")]
     assert len(losses[True]) == 2 and losses[True] == pytest.approx(losses[False], rel=1e-4)
+
+
+def test_the_first_step_of_every_launch_is_logged_in_the_line_the_launch_waits_for(tiny_target, tmp_path):
+    """`invoke train` waits for the first line matching container_runs.STEP. With log_every far
+    beyond the run, that line must still be step 1's (and, after a resume, the first resumed
+    step's), not the next multiple of log_every nor the stop step."""
+    import re
+
+    from dflash_ops.container_runs import READY, STEP
+
+    run = str(tmp_path / "run")
+    quiet = (*QUICK, "train.log_every=1000")
+    for stop, first in ((3, 1), (5, 4)):
+        log = os.path.join(run, "train.log")
+        offset = os.path.getsize(log) if os.path.exists(log) else 0
+        result = run_script("train_dflash.py", *tiny_args(tiny_target, run, *quiet), "--max-steps", str(stop))
+        assert result.returncode == 0, result.stderr[-3000:]
+        with open(log) as f:
+            f.seek(offset)
+            lines = f.read().splitlines()
+        ready = next(i for i, line in enumerate(lines) if re.match(READY, line))
+        steps = [(i, line) for i, line in enumerate(lines) if re.match(STEP, line)]
+        assert steps and steps[0][0] > ready, lines
+        assert f" INFO step {first}/{stop} | loss " in steps[0][1], steps[0][1]
+        assert [line.split(" INFO step ")[1].split("/")[0] for _, line in steps] == [str(first), str(stop)]
+
+
+def test_three_workers_stopped_and_resumed_equal_an_uninterrupted_run_bit_for_bit(tiny_target, tmp_path):
+    """A resume gives every worker its own optimizer and scheduler state: stopped at step 3 and
+    resumed to 6, three CPU workers make exactly the losses, weights and optimizer state of a run
+    that went straight to 6, and their replicas stay one model at every checkpoint."""
+    interrupted, straight = str(tmp_path / "interrupted"), str(tmp_path / "straight")
+    for run_dir, stop in ((interrupted, 3), (interrupted, 6), (straight, 6)):
+        result = run_script("train_dflash.py", *tiny_args(tiny_target, run_dir, *QUICK, "train.save_every=1"),
+                            "--drafter-devices", "cpu,cpu,cpu", "--max-steps", str(stop))
+        assert result.returncode == 0, result.stderr[-3000:]
+    log = open(os.path.join(interrupted, "train.log")).read()
+    assert "resumed from" in log and "REPLICAS DIFFER" not in log
+    resumed = {r["step"]: r["worker_loss"] for r in read_metrics(interrupted, "train")}
+    uninterrupted = {r["step"]: r["worker_loss"] for r in read_metrics(straight, "train")}
+    assert sorted(resumed) == sorted(uninterrupted) == [1, 2, 3, 4, 5, 6]
+    assert resumed == uninterrupted  # every worker's loss, bit for bit
+    for run_dir in (interrupted, straight):
+        saved = read_metrics(run_dir, "checkpoint")
+        assert [r["step"] for r in saved] == [1, 2, 3, 4, 5, 6]
+        assert [r["replica_max_abs_diff"] for r in saved] == [0.0] * 6
+
+    weights_a, state_a = checkpoint_state(checkpoints.latest_checkpoint(interrupted))
+    weights_b, state_b = checkpoint_state(checkpoints.latest_checkpoint(straight))
+    assert state_a["step"] == state_b["step"] == 6
+    assert weights_a.keys() == weights_b.keys()
+    assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
+    opt_a, opt_b = state_a["optimizer"]["state"], state_b["optimizer"]["state"]
+    assert opt_a.keys() == opt_b.keys()
+    for index in opt_a:
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt_a[index][key], opt_b[index][key])
+    assert state_a["scheduler"] == state_b["scheduler"] and state_a["sampler"] == state_b["sampler"]
+

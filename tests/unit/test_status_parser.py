@@ -246,3 +246,20 @@ def test_data_warnings_from_training_are_shown():
     assert "data warning" in text and warning in text and "teacher-forced acceptance" in text
     assert "\x1b" not in text and "^[[31m[bold]x" in text
     assert parse_status(status_answer(FINISHED.replace("end\n", "datajson {cut\nend\n"))).data_warnings == []
+
+
+def test_replicas_that_differ_at_the_last_checkpoint_are_shown():
+    from rich.console import Console
+
+    differ = ('metric {"kind": "checkpoint", "step": 35, "path": "/root/runs/t1/checkpoints/step-35", '
+              '"replica_max_abs_diff": 0.053}\n')
+    st = parse_status(status_answer(FINISHED.replace("end\n", differ + "end\n")))
+    assert st.replicas_differ == pytest.approx(0.053)
+    assert json.loads(st.to_json())["replicas_differ"] == pytest.approx(0.053)
+    console = Console(record=True, width=120)
+    render(st, "pve1/200", console)
+    text = console.export_text()
+    assert "replicas differ" in text and "by up to 0.053" in text
+    assert parse_status(status_answer(FINISHED)).replicas_differ is None  # identical: no row
+    healed = FINISHED.replace("end\n", differ + differ.replace("35", "40").replace("0.053", "0.0") + "end\n")
+    assert parse_status(status_answer(healed)).replicas_differ is None  # the last checkpoint counts

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from . import commands, localfiles, mux
+from . import commands, localfiles, mux, terminal
 from .errors import (
     AuthFailed,
     ContainerMissing,
@@ -306,8 +306,8 @@ class HostSession:
             return write if show else None
 
         try:
-            got = mux.run(path, line, on_out=shown_on(out_stream or sys.stdout),
-                          on_err=shown_on(err_stream or sys.stderr), timeout=timeout)
+            got = mux.run(path, line, on_out=shown_on(out_stream), on_err=shown_on(err_stream),
+                          timeout=timeout)
         except mux.Refused:
             return None
         except TimeoutError:
@@ -344,6 +344,9 @@ class HostSession:
             self.echo(self.shown(line))
             return Result(line=line)
         hide = not stream and out_stream is None
+        if not hide:  # what is shown as it comes is the container's: through the terminal's filter
+            out_stream = out_stream or terminal.Visible(sys.stdout)
+            err_stream = err_stream or terminal.Visible(sys.stderr)
         result = None
         if not pty and self._conn is None:
             result = self._run_shared(line, show=not hide, timeout=timeout, out_stream=out_stream,

@@ -108,8 +108,21 @@ def regenerate_argv(ct: Container, sources: Sequence[str] = (), out_dir: str | N
 
 
 def results_of(stdout: str) -> list[dict]:
-    """The JSON of every `RESULT ` line (a script prints one per result)."""
-    return [json.loads(line[len(RESULT):]) for line in stdout.splitlines() if line.startswith(RESULT)]
+    """The JSON object of every `RESULT ` line (a script prints one per result). Lines are split on
+    `\n` only, as the script writes them; a RESULT line that is not a JSON object is one error line."""
+    found = []
+    for line in stdout.split("\n"):
+        if not line.startswith(RESULT):
+            continue
+        try:
+            value = json.loads(line[len(RESULT):])
+        except (ValueError, RecursionError):
+            value = None
+        if not isinstance(value, dict):
+            raise RemoteCommandFailed(f"unreadable result line from the container: "
+                                      f"{terminal.visible(line)[:200]}")
+        found.append(value)
+    return found
 
 
 def _run_script(t, argv: list[str], what: str, echo=print):

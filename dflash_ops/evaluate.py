@@ -7,7 +7,6 @@ shown). One round trip each.
 
 from __future__ import annotations
 
-import io
 import json
 import posixpath
 import sys
@@ -32,21 +31,16 @@ class NotLossless(DflashOpsError, exit_status=ExitStatus.NOT_LOSSLESS):
     """Speculative decoding changed the target's greedy output: the drafter/target pairing is broken."""
 
 
-class _ShowLines(io.StringIO):
+class _ShowLines(jobs.LineSink):
     """A stream that prints what the script says, except the machine-readable RESULT lines, the
     weight-loading progress bars and lines starting with one of `hide`."""
 
     def __init__(self, echo=print, hide: tuple[str, ...] = ()):
-        super().__init__()
-        self._echo, self._pending, self._hide = echo, "", hide
+        self._echo, self._hide = echo, hide
 
-    def write(self, text: str) -> int:
-        self._pending += text
-        *lines, self._pending = self._pending.split("\n")
-        for line in lines:
-            if not line.startswith((RESULT, *self._hide)) and "Loading weights" not in line:
-                self._echo(terminal.visible(line))
-        return len(text)
+    def line(self, line: str) -> None:
+        if not line.startswith((RESULT, *self._hide)) and "Loading weights" not in line:
+            self._echo(terminal.visible(line))
 
 
 def _to_stderr(line: str) -> None:

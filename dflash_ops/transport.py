@@ -59,7 +59,8 @@ def linear_remote():
     every chunk read to feed its watchers: quadratic in the output's size (a 16 MiB log took 47 s); we
     give it no watchers, so skip that. And it decodes each 1000-byte read on its own: a multi-byte
     UTF-8 character cut by a read's end came out as two U+FFFD; one incremental decoder per stream
-    keeps it whole."""
+    keeps it whole. Output shown as it comes (an out_stream) is kept in the result by its tail only
+    (mux.OutputTail): following a log holds bounded memory whatever it prints."""
     import codecs
 
     from fabric.runners import Remote
@@ -68,6 +69,15 @@ def linear_remote():
         def respond(self, buffer_):
             if self.watchers:
                 super().respond(buffer_)
+
+        def _handle_output(self, buffer_, hide, output, reader):
+            if hide:
+                return super()._handle_output(buffer_, hide, output, reader)
+            kept = mux.OutputTail()  # shown as it came: the result keeps the tail only
+            for data in self.read_proc_output(reader):
+                self.write_our_output(stream=output, string=data)
+                kept.append(data)
+            buffer_[:] = kept
 
         def read_proc_output(self, reader):
             decoder = codecs.getincrementaldecoder(self.encoding)("replace")

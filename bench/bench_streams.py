@@ -1,9 +1,11 @@
 """Big outputs are read in linear time: `invoke logs -n 50` on a 1 GiB train.log and `invoke metrics`
 on a 100 MB metrics.jsonl, on the embedded host, as time and peak memory (maxrss) of the invoke
-process, against bare OpenSSH reads of the same files measured in the same run.
+process, against bare OpenSSH reads of the same files measured in the same run. Then `invoke logs
+--follow` of one line without a newline of 4, 8 and 16 MiB (seconds per MiB: linear when it stays
+flat), and of the whole 1 GiB log (`-n` past its line count: peak memory must not grow with it).
 
     .venv/bin/python bench/bench_streams.py [--log-mib 1024] [--metrics-mb 100] [--repeat 3]
-                                            [--checkout DIR]
+                                            [--line-mib 4,8,16] [--checkout DIR]
 
 Run from the repository root, as root (the embedded host needs it). It brings up its own sandbox,
 writes the two files straight into container 200 (no deploy: both tasks read with the container's
@@ -66,6 +68,8 @@ def main() -> None:
     parser.add_argument("--log-mib", type=int, default=1024, help="size of train.log")
     parser.add_argument("--metrics-mb", type=int, default=100, help="size of metrics.jsonl")
     parser.add_argument("--repeat", type=int, default=3, help="timed repetitions (median shown)")
+    parser.add_argument("--line-mib", default="4,8,16", help="sizes of the one long line `logs --follow` "
+                        "gets (MiB, comma-separated; empty: skip)")
     parser.add_argument("--checkout", help="run the CLI of this checkout instead of a copy of this one")
     args = parser.parse_args()
 
@@ -108,9 +112,45 @@ def main() -> None:
                 med = statistics.median(v[0] for v in values)
                 print(f"{name:<30} {what:<12} {med:>9.2f} {med / base:>7.1f} {max(v[1] for v in values):>9} "
                       f"{values[-1][2]:>10}", flush=True)
+        follow(args, cli, in_container, box, checkout)
     finally:
         sandbox.down(state, purge=True)
         shutil.rmtree(work, ignore_errors=True)
+
+
+def follow(args, cli, in_container, box, checkout) -> None:
+    """`logs --follow` of the whole log and of one long line; no run is alive, so the follower prints
+    what `tail -n` gives, then ends (about 2 s after, the watchdog's look at the runs lock)."""
+    whole = cli("logs", "--follow", "--run", "big", "-n", "1000000000")
+    bare_whole = box.ssh_argv(f"{box.pct} exec {CT} -- cat {RUN}/train.log")
+    print(f"\n{'logs --follow':<30} {'what':<12} {'median s':>9} {'x bare':>7} {'peak MiB':>9} "
+          f"{'stdout B':>10}")
+    runs = {"bare ssh": [], "invoke": []}
+    for _ in range(args.repeat):
+        runs["bare ssh"].append(measured(bare_whole))
+        runs["invoke"].append(measured(whole, cwd=checkout))
+    base = statistics.median(r[0] for r in runs["bare ssh"])
+    for what, values in runs.items():
+        med = statistics.median(v[0] for v in values)
+        print(f"{f'whole {args.log_mib} MiB log':<30} {what:<12} {med:>9.2f} {med / base:>7.1f} "
+              f"{max(v[1] for v in values):>9} {values[-1][2]:>10}", flush=True)
+    sizes = [int(x) for x in args.line_mib.split(",") if x.strip()]
+    if not sizes:
+        return
+    print(f"\n{'one line, no newline':<22} {'median s':>9} {'bare s':>7} {'s/MiB':>6} {'x bare':>7} "
+          f"{'peak MiB':>9} {'stdout B':>10}")
+    for mib in sizes:
+        in_container("sh", "-c", 'head -c "$1" /dev/zero | tr "\\0" x > "$2/train.log"', "sh",
+                     str(mib << 20), RUN)
+        task, bare = cli("logs", "--follow", "--run", "big"), box.ssh_argv(
+            f"{box.pct} exec {CT} -- tail -n 50 {RUN}/train.log")
+        mine, theirs = [], []
+        for _ in range(args.repeat):
+            theirs.append(measured(bare))
+            mine.append(measured(task, cwd=checkout))
+        med, base = statistics.median(v[0] for v in mine), statistics.median(v[0] for v in theirs)
+        print(f"{f'{mib} MiB':<22} {med:>9.2f} {base:>7.2f} {med / mib:>6.2f} {med / base:>7.1f} "
+              f"{max(v[1] for v in mine):>9} {mine[-1][2]:>10}", flush=True)
 
 
 if __name__ == "__main__":

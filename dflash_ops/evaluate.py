@@ -7,7 +7,6 @@ shown). One round trip each.
 
 from __future__ import annotations
 
-import io
 import json
 import posixpath
 import sys
@@ -32,21 +31,16 @@ class NotLossless(DflashOpsError, exit_status=ExitStatus.NOT_LOSSLESS):
     """Speculative decoding changed the target's greedy output: the drafter/target pairing is broken."""
 
 
-class _ShowLines(io.StringIO):
+class _ShowLines(jobs.LineSink):
     """A stream that prints what the script says, except the machine-readable RESULT lines, the
     weight-loading progress bars and lines starting with one of `hide`."""
 
     def __init__(self, echo=print, hide: tuple[str, ...] = ()):
-        super().__init__()
-        self._echo, self._pending, self._hide = echo, "", hide
+        self._echo, self._hide = echo, hide
 
-    def write(self, text: str) -> int:
-        self._pending += text
-        *lines, self._pending = self._pending.split("\n")
-        for line in lines:
-            if not line.startswith((RESULT, *self._hide)) and "Loading weights" not in line:
-                self._echo(terminal.visible(line))
-        return len(text)
+    def line(self, line: str) -> None:
+        if not line.startswith((RESULT, *self._hide)) and "Loading weights" not in line:
+            self._echo(terminal.visible(line))
 
 
 def _to_stderr(line: str) -> None:
@@ -108,8 +102,21 @@ def regenerate_argv(ct: Container, sources: Sequence[str] = (), out_dir: str | N
 
 
 def results_of(stdout: str) -> list[dict]:
-    """The JSON of every `RESULT ` line (a script prints one per result)."""
-    return [json.loads(line[len(RESULT):]) for line in stdout.splitlines() if line.startswith(RESULT)]
+    """The JSON object of every `RESULT ` line (a script prints one per result). Lines are split on
+    `\n` only, as the script writes them; a RESULT line that is not a JSON object is one error line."""
+    found = []
+    for line in stdout.split("\n"):
+        if not line.startswith(RESULT):
+            continue
+        try:
+            value = json.loads(line[len(RESULT):])
+        except (ValueError, RecursionError):
+            value = None
+        if not isinstance(value, dict):
+            raise RemoteCommandFailed(f"unreadable result line from the container: "
+                                      f"{terminal.visible(line)[:200]}")
+        found.append(value)
+    return found
 
 
 def _run_script(t, argv: list[str], what: str, echo=print):

@@ -140,10 +140,30 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 # --- client ---------------------------------------------------------------------------------------
+STREAMED_TAIL = 1 << 20  # what a result keeps of output that was handed to a sink as it came
+
+
+class OutputTail(list):
+    """The captured text of a stream whose output goes to a sink as it comes: only its last
+    STREAMED_TAIL characters are kept (the end lines a caller looks at), so that following a log of
+    any size holds a bounded amount (a followed 256 MiB log held 582 MiB). Amortized linear."""
+
+    size = 0
+
+    def append(self, text: str) -> None:
+        super().append(text)
+        self.size += len(text)
+        if self.size > 2 * STREAMED_TAIL:
+            tail = "".join(self)[-STREAMED_TAIL:]
+            self[:] = [tail]
+            self.size = len(tail)
+
+
 def run(path: Path, line: str, *, on_out=None, on_err=None, timeout: float | None = None):
     """Run `line` through the master at `path`: (stdout, stderr, exited), or None when no master
     answers there. Output is decoded as UTF-8 (invalid bytes replaced) and handed to on_out/on_err as
-    it comes. Raises Refused, Lost, or TimeoutError (the command was ended)."""
+    it comes (then the result keeps its tail only, OutputTail). Raises Refused, Lost, or TimeoutError
+    (the command was ended)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(str(path))
@@ -153,8 +173,8 @@ def run(path: Path, line: str, *, on_out=None, on_err=None, timeout: float | Non
     deadline = None if timeout is None else time.monotonic() + timeout
     decoders = {b"o": codecs.getincrementaldecoder("utf-8")("replace"),
                 b"e": codecs.getincrementaldecoder("utf-8")("replace")}
-    out: dict[bytes, list[str]] = {b"o": [], b"e": []}
     sinks = {b"o": on_out, b"e": on_err}
+    out: dict[bytes, list[str]] = {k: [] if sink is None else OutputTail() for k, sink in sinks.items()}
     started = False
 
     def emit(kind: bytes, text: str) -> None:

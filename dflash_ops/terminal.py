@@ -10,6 +10,9 @@ becomes visible text (ESC -> `^[`, DEL -> `^?`, a C1 control -> `<U+009B>`, a ba
 `markup(data)` is the same text escaped for a rich markup string, and `console()` the rich Console
 to print it with (no emoji codes, no highlighting, so what is printed is exactly the text).
 `logs --raw` is the one path that writes container bytes untouched, because the operator asked.
+
+`Visible(stream)` is the terminal's filter for output streamed as it comes (deploy's pip and
+tiny-target build, any remote stream the transport shows).
 """
 
 from __future__ import annotations
@@ -71,6 +74,24 @@ def _escape_bracket(match: re.Match) -> str:
     if k:                              # trailing backslashes: an empty tag pair after them, so that they
         return "\\" * (2 * k) + "[bold][/bold]"  # stay k literal ones whatever tag the template adds
     return ""
+
+
+class Visible:
+    """A file-like stream that writes what it is given through `visible(..., newlines=True)`: remote
+    output streamed as it comes (pip's, a script's) reaches the terminal with its escapes shown."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        self.stream.write(visible(text, newlines=True))
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        return False
 
 
 def console(**options):

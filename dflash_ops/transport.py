@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from . import commands, localfiles, mux
+from . import commands, localfiles, mux, terminal
 from .errors import (
     AuthFailed,
     ContainerMissing,
@@ -59,7 +59,8 @@ def linear_remote():
     every chunk read to feed its watchers: quadratic in the output's size (a 16 MiB log took 47 s); we
     give it no watchers, so skip that. And it decodes each 1000-byte read on its own: a multi-byte
     UTF-8 character cut by a read's end came out as two U+FFFD; one incremental decoder per stream
-    keeps it whole."""
+    keeps it whole. Output shown as it comes (an out_stream) is kept in the result by its tail only
+    (mux.OutputTail): following a log holds bounded memory whatever it prints."""
     import codecs
 
     from fabric.runners import Remote
@@ -68,6 +69,15 @@ def linear_remote():
         def respond(self, buffer_):
             if self.watchers:
                 super().respond(buffer_)
+
+        def _handle_output(self, buffer_, hide, output, reader):
+            if hide:
+                return super()._handle_output(buffer_, hide, output, reader)
+            kept = mux.OutputTail()  # shown as it came: the result keeps the tail only
+            for data in self.read_proc_output(reader):
+                self.write_our_output(stream=output, string=data)
+                kept.append(data)
+            buffer_[:] = kept
 
         def read_proc_output(self, reader):
             decoder = codecs.getincrementaldecoder(self.encoding)("replace")
@@ -306,8 +316,8 @@ class HostSession:
             return write if show else None
 
         try:
-            got = mux.run(path, line, on_out=shown_on(out_stream or sys.stdout),
-                          on_err=shown_on(err_stream or sys.stderr), timeout=timeout)
+            got = mux.run(path, line, on_out=shown_on(out_stream), on_err=shown_on(err_stream),
+                          timeout=timeout)
         except mux.Refused:
             return None
         except TimeoutError:
@@ -344,6 +354,9 @@ class HostSession:
             self.echo(self.shown(line))
             return Result(line=line)
         hide = not stream and out_stream is None
+        if not hide:  # what is shown as it comes is the container's: through the terminal's filter
+            out_stream = out_stream or terminal.Visible(sys.stdout)
+            err_stream = err_stream or terminal.Visible(sys.stderr)
         result = None
         if not pty and self._conn is None:
             result = self._run_shared(line, show=not hide, timeout=timeout, out_stream=out_stream,

@@ -7,8 +7,8 @@ Row formats, detected per file from its first readable row and reported:
   a list of `{"type": "text", "text"}` parts)
 Files: `.jsonl`, `.jsonl.gz`, `.json` (an array of rows), `.parquet` (needs pyarrow), or a
 directory of such shards (read in name order). System prompts and multi-turn conversations keep
-their turns. A malformed row (not JSON, unknown role, no assistant turn, over MAX_ROW_BYTES) is
-counted and skipped; its number and reason are kept for the report, and more than
+their turns. A malformed row (not JSON, unknown role, no assistant turn, over MAX_ROW_BYTES, nested
+deeper than MAX_DEPTH) is counted and skipped; its number and reason are kept for the report, and more than
 `max_bad_fraction` of bad rows is one DataError. Stdlib only (pyarrow only for Parquet), so the
 preflight reads data without torch.
 """
@@ -26,7 +26,9 @@ ROLE_NAMES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": 
               "chatgpt": "assistant", "model": "assistant", "system": "system"}
 SUFFIXES = {".jsonl": "jsonl", ".jsonl.gz": "jsonl.gz", ".json": "json", ".parquet": "parquet"}
 MAX_ROW_BYTES = 1 << 20  # far beyond any max_length; a bigger row is a broken export
+MAX_DEPTH = 32  # a chat row nests 5 deep; JSON's own parser gives up (RecursionError) near 1000
 SHOWN_BAD_ROWS = 3
+DEEP = f"nested deeper than {MAX_DEPTH} levels"
 
 
 class DataError(ValueError):
@@ -52,20 +54,38 @@ class FileReport:
     bad: list[tuple[int, str]] = field(default_factory=list)  # (row number, reason)
 
     def describe(self) -> str:
-        line = f"{self.path}: {self.format} rows in {self.container}, {self.rows} read"
+        line = f"{shown(self.path)}: {self.format} rows in {self.container}, {self.rows} read"
         if self.bad:
-            shown = "; ".join(f"row {n}: {why}" for n, why in self.bad[:SHOWN_BAD_ROWS])
-            line += f", {len(self.bad)} skipped ({shown}{'; ...' if len(self.bad) > SHOWN_BAD_ROWS else ''})"
+            first = "; ".join(f"row {n}: {why}" for n, why in self.bad[:SHOWN_BAD_ROWS])
+            line += f", {len(self.bad)} skipped ({first}{'; ...' if len(self.bad) > SHOWN_BAD_ROWS else ''})"
         return line
 
 
 # ----------------------------------------------------------------------------- files
 
+def shown(path: str) -> str:
+    """A file name as one line of a report: a line break or control character in it is escaped (a
+    shard named "x\\nRESULT {" must not print a line of its own)."""
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in path)
+
+
+def too_deep(value, limit: int = MAX_DEPTH) -> bool:
+    """Whether lists and objects nest deeper than `limit` in `value` (iterative: any depth)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return False
+
+
 def container_of(path: str) -> str:
     for suffix, name in sorted(SUFFIXES.items(), key=lambda item: -len(item[0])):
         if path.endswith(suffix):
             return name
-    raise DataError(f"{path}: unknown file type (expected {', '.join(SUFFIXES)} or a directory "
+    raise DataError(f"{shown(path)}: unknown file type (expected {', '.join(SUFFIXES)} or a directory "
                     f"of them)")
 
 
@@ -75,15 +95,15 @@ def data_files(path: str) -> list[str]:
         shards = sorted(os.path.join(path, name) for name in os.listdir(path)
                         if not name.startswith(".") and any(name.endswith(s) for s in SUFFIXES))
         if not shards:
-            raise DataError(f"{path}: a directory without data shards ({', '.join(SUFFIXES)})")
+            raise DataError(f"{shown(path)}: a directory without data shards ({', '.join(SUFFIXES)})")
         return shards
     if not os.path.exists(path):
-        raise DataError(f"data file not found: {path}")
+        raise DataError(f"data file not found: {shown(path)}")
     container_of(path)
     if not os.access(path, os.R_OK):
-        raise DataError(f"{path}: not readable (permissions)")
+        raise DataError(f"{shown(path)}: not readable (permissions)")
     if os.path.getsize(path) == 0:
-        raise DataError(f"{path}: empty file")
+        raise DataError(f"{shown(path)}: empty file")
     return [path]
 
 
@@ -116,11 +136,16 @@ def _records(path: str, container: str):
             with open(path, "rb") as f:
                 rows = json.loads(f.read())
         except (ValueError, UnicodeDecodeError) as exc:
-            raise DataError(f"{path}: not a JSON file ({_first_line(exc)})") from None
+            raise DataError(f"{shown(path)}: not a JSON file ({_first_line(exc)})") from None
+        except RecursionError:
+            raise DataError(f"{shown(path)}: not a JSON file (nested too deep to read)") from None
         if not isinstance(rows, list):
-            raise DataError(f"{path}: a .json dataset must be an array of rows, not "
+            raise DataError(f"{shown(path)}: a .json dataset must be an array of rows, not "
                             f"{type(rows).__name__}")
         for number, row in enumerate(rows, 1):
+            if too_deep(row):
+                yield number, BadRow(DEEP)
+                continue
             too_big = len(json.dumps(row)) > MAX_ROW_BYTES
             yield number, BadRow(f"row over the {MAX_ROW_BYTES >> 20} MB row limit") if too_big else row
         return
@@ -132,34 +157,39 @@ def _records(path: str, container: str):
                     yield number, line
                     continue
                 try:
-                    yield number, json.loads(line)
+                    record = json.loads(line)
                 except (ValueError, UnicodeDecodeError) as exc:
                     yield number, BadRow(f"not JSON ({_first_line(exc)[:60]})")
+                    continue
+                except RecursionError:  # deeper than JSON's own parser goes
+                    yield number, BadRow(DEEP)
+                    continue
+                yield number, BadRow(DEEP) if too_deep(record) else record
     except (OSError, EOFError, zlib.error) as exc:
-        raise DataError(f"{path}: cannot read {container} ({_first_line(exc)})") from None
+        raise DataError(f"{shown(path)}: cannot read {container} ({_first_line(exc)})") from None
 
 
 def _parquet_records(path: str):
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise DataError(f"{path}: reading Parquet needs the pyarrow package "
+        raise DataError(f"{shown(path)}: reading Parquet needs the pyarrow package "
                         f"(pip install pyarrow in the training venv)") from None
     try:
         handle = pq.ParquetFile(path)
         columns = handle.schema_arrow.names
         if not {"conversations", "messages"} & set(columns):
-            raise DataError(f"{path}: Parquet columns {columns}: a chat dataset needs a "
+            raise DataError(f"{shown(path)}: Parquet columns {columns}: a chat dataset needs a "
                             f"'conversations' or 'messages' column")
         number = 0
         for batch in handle.iter_batches(batch_size=1024):
             for row in batch.to_pylist():
                 number += 1
-                yield number, row
+                yield number, BadRow(DEEP) if too_deep(row) else row
     except DataError:
         raise
     except Exception as exc:  # pyarrow's ArrowInvalid/ArrowIOError and friends
-        raise DataError(f"{path}: not a readable Parquet file ({_first_line(exc)})") from None
+        raise DataError(f"{shown(path)}: not a readable Parquet file ({_first_line(exc)})") from None
 
 
 def _first_line(exc: BaseException) -> str:
@@ -259,8 +289,9 @@ def read_dataset(path: str, max_bad_fraction: float = 0.05, limit: int | None = 
     total = sum(r.rows for r in reports)
     bad = [(r.path, n, why) for r in reports for n, why in r.bad]
     if not rows or len(bad) > max_bad_fraction * total:
-        first = "; ".join(f"{os.path.basename(p)} row {n}: {why}" for p, n, why in bad[:SHOWN_BAD_ROWS])
-        raise DataError(f"{path}: {len(bad)} of {total} rows unusable, over the "
+        first = "; ".join(f"{shown(os.path.basename(p))} row {n}: {why}"
+                          for p, n, why in bad[:SHOWN_BAD_ROWS])
+        raise DataError(f"{shown(path)}: {len(bad)} of {total} rows unusable, over the "
                         f"{max_bad_fraction:.0%} limit (data.max_bad_fraction) ({first or 'no rows'})")
     return rows
 

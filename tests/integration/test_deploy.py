@@ -112,6 +112,32 @@ def test_the_torch_check_runs_again_for_check_new_gpus_or_new_requirements(count
     assert record(box)[0]["key"]["requirements"] == want
 
 
+# What a process in the container can make pip and the tiny-target build print: a `.pth` file in the
+# venv runs at every start of its interpreter. Written as Python escapes, so the file itself is ASCII.
+HOSTILE_PTH = ("import sys; [s.write('\\x1b]52;c;cHduZWQ=\\x07\\x1b]0;TITLE\\x07\\x1b[2J\\n') "
+               "or s.flush() for s in (sys.stdout, sys.stderr)]\n")
+
+
+def test_pip_and_the_tiny_target_build_stream_through_the_terminal_filter(box):
+    """deploy streams pip's output on a venv refresh and make_tiny_target.py's: what the container makes
+    them print (OSC 52 clipboard write, a title, a screen clear) shows in caret notation, never raw."""
+    stamp = f"/root/venv/{container_facts.REQUIREMENTS_STAMP}"
+    box.sh('for d in /root/venv/lib/python3*/site-packages; do printf "%s" "$1" > "$d/zz-hostile.pth"; done; '
+           'rm -f "$2"; mv /dev/shm/tiny-qwen3 /dev/shm/tiny-qwen3.keep', HOSTILE_PTH, stamp)
+    try:
+        r = box.invoke("deploy")
+    finally:
+        box.sh("rm -f /root/venv/lib/python3*/site-packages/zz-hostile.pth; "
+               "if [ -d /dev/shm/tiny-qwen3.keep ]; then rm -rf /dev/shm/tiny-qwen3; "
+               "mv /dev/shm/tiny-qwen3.keep /dev/shm/tiny-qwen3; fi")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "venv: refreshing /root/venv" in r.stdout and "model: creating the tiny target" in r.stdout
+    both = r.stdout + r.stderr
+    assert "\x1b" not in both and "\x07" not in both, both[-3000:]
+    # shown, not dropped: from pip (its stdout and stderr) and from the build
+    assert both.count("^[]52;c;cHduZWQ=^G^[]0;TITLE^G^[[2J") >= 3, both[-3000:]
+
+
 def test_one_changed_file_sends_one_file(box):
     edited = box.checkout / "remote_scripts" / "train_config.py"
     original = edited.read_text()

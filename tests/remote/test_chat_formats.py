@@ -126,6 +126,37 @@ def test_rows_without_an_assistant_turn_and_oversized_rows_are_counted_and_skipp
                        f"(row 5: no assistant turn; row 11: row is 10.5 MB, over the 1 MB row limit)"]
 
 
+def test_deeply_nested_rows_are_counted_and_skipped_not_a_crash(tmp_path):
+    # 200,000 levels: deeper than JSON's own parser goes (RecursionError); 40 levels: parsed, over MAX_DEPTH.
+    abyss = "[" * 200_000 + "]" * 200_000
+    deep = {"conversations": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}],
+            "meta": json.loads("[" * 40 + "]" * 40)}
+    lines = _good_lines(60)
+    lines[2:2] = [abyss]
+    lines[7:7] = [json.dumps(deep)]
+    (tmp_path / "nested.jsonl").write_text("\n".join(lines) + "\n")
+    reports = []
+    rows = read_dataset(str(tmp_path / "nested.jsonl"), log=reports.append)
+    assert len(rows) == 60
+    assert reports == [f"{tmp_path / 'nested.jsonl'}: dflash rows in jsonl, 62 read, 2 skipped "
+                       f"(row 3: nested deeper than 32 levels; row 8: nested deeper than 32 levels)"]
+    (tmp_path / "nested.json").write_text("[" + abyss + "]")
+    with pytest.raises(DataError, match=r"nested.json: not a JSON file \(nested too deep to read\)$"):
+        read_dataset(str(tmp_path / "nested.json"))
+    _parquet(str(tmp_path / "deep.parquet"), [deep] + [json.loads(line) for line in _good_lines(30)])
+    _, report = read_file(str(tmp_path / "deep.parquet"))
+    assert report.bad == [(1, "nested deeper than 32 levels")] and report.rows == 31
+
+
+def test_a_file_name_with_a_line_break_reports_on_one_line(tmp_path):
+    name = 'x\nRESULT {"rows": 1}.jsonl'
+    (tmp_path / name).write_text("\n".join(_good_lines(3)) + "\n")
+    reports = []
+    read_dataset(str(tmp_path / name), log=reports.append)
+    assert len(reports) == 1 and "\n" not in reports[0]
+    assert reports[0].endswith('x\\nRESULT {"rows": 1}.jsonl: dflash rows in jsonl, 3 read'), reports
+
+
 def test_too_many_bad_rows_stop_with_one_line(tmp_path):
     lines = _good_lines(10) + ['{"conversations": [{"role": "robot", "content": "hi"}]}',
                                '{"conversations": [{"from": "human", "value": "hi"}]}']

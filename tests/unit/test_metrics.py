@@ -9,7 +9,7 @@ import pytest
 from recorded_answers import metrics_answer, status_answer
 
 from dflash_ops import evaluate, facts, fetch, metrics
-from dflash_ops.errors import UsageError
+from dflash_ops.errors import RemoteCommandFailed, UsageError
 from dflash_ops.inventory import parse_inventory
 
 INVENTORY = {
@@ -160,6 +160,11 @@ def test_result_lines_are_parsed_and_hidden_from_the_person():
     stream.write(": 1}\nLoading weights: 100%\ndone\n")
     assert shown == ["eval: 2 prompts", "done"]
     assert evaluate.results_of('x\nRESULT {"a": 1}\nRESULT {"b": 2}\n') == [{"a": 1}, {"b": 2}]
+    # A line the script did not mean as a result (a file name with a line break, before the fix in
+    # chat_formats.shown) is one error line, not a traceback.
+    for junk in ('RESULT {"rows": 1', "RESULT [1]", "RESULT " + "[" * 100_000):
+        with pytest.raises(RemoteCommandFailed, match="^unreadable result line from the container: RESULT "):
+            evaluate.results_of(f"read x\n{junk}.jsonl: dflash rows\nRESULT {{}}\n")
 
 
 def test_a_scripts_own_error_line_is_left_to_the_tasks_error():

@@ -46,6 +46,7 @@ HEADER_MAX = 1 << 20
 FRAME = struct.Struct(">cI")
 CHUNK = 1 << 16
 SUN_PATH_MAX = 107
+MASTER_MODULE = "dflash_ops.transport"  # `python -m` it with a spec: a master (transport.master_main)
 
 
 class Refused(Exception):
@@ -217,8 +218,9 @@ def start_master(host, jump, persist: int, path: Path) -> None:
         p for p in (package_parent, os.environ.get("PYTHONPATH")) if p)}
     # sh puts it in the background and exits: the master is nobody's child here, and the task does
     # not wait for its connection.
+    # Its entry point is transport.py's (`python -m dflash_ops.transport`), which makes the session.
     subprocess.run(["/bin/sh", "-c", 'exec "$@" </dev/null >/dev/null 2>&1 &', "sh", sys.executable,
-                    "-m", "dflash_ops.mux", spec], env=env, cwd="/", start_new_session=True, check=False)
+                    "-m", MASTER_MODULE, spec], env=env, cwd="/", start_new_session=True, check=False)
 
 
 # --- master ---------------------------------------------------------------------------------------
@@ -309,10 +311,11 @@ class Master:
             channel.close()
 
 
-def main(spec_text: str) -> int:
+def serve(spec: dict, session) -> int:
+    """The master's life: `spec` from `start_master`, `session` an unconnected HostSession for its
+    host (transport.py builds it: this module imports neither transport nor inventory)."""
     import fcntl
 
-    spec = json.loads(spec_text)
     path = Path(spec["path"])
     if not private_dir(path.parent):
         return 1
@@ -321,12 +324,6 @@ def main(spec_text: str) -> int:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         return 0  # another master for this host is starting or serving
-    from .inventory import Host
-    from .transport import HostSession
-
-    host = Host(**spec["host"])
-    jump = Host(**spec["jump"]) if spec["jump"] else None
-    session = HostSession(host, jump=jump, share=False)
     session.connect()  # verified and authenticated as any task's connection, or the master ends here
     try:
         path.unlink()
@@ -351,10 +348,3 @@ def main(spec_text: str) -> int:
             pass
         session.close()
     return 0
-
-
-if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv[1]))
-    except Exception:  # noqa: BLE001 - nobody reads a master's errors; the next task connects itself
-        sys.exit(1)

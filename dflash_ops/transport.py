@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import functools
 import hashlib
+import json
 import logging
 import os
 import re
@@ -562,3 +563,19 @@ def pin_host_key(host: Host, key: paramiko.PKey) -> str:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     keys.save(path)
     return path
+
+
+# --- a shared connection's master (mux.start_master runs `python -m dflash_ops.transport SPEC`) -----
+def master_main(spec_text: str) -> int:
+    """A master for one host: mux serves the socket, this module makes its verified connection."""
+    spec = json.loads(spec_text)
+    host = Host(**spec["host"])
+    jump = Host(**spec["jump"]) if spec["jump"] else None
+    return mux.serve(spec, HostSession(host, jump=jump, share=False))
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(master_main(sys.argv[1]))
+    except Exception:  # noqa: BLE001 - nobody reads a master's errors; the next task connects itself
+        sys.exit(1)

@@ -48,7 +48,7 @@ def master_pids(path: Path) -> list[int]:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"dflash_ops.mux" in cmdline and str(path).encode() in cmdline:
+        if mux.MASTER_MODULE.encode() in cmdline and str(path).encode() in cmdline:
             found.append(int(pid))
     return found
 

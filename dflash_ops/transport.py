@@ -477,23 +477,6 @@ class HostSession:
                                   f"{host_path}: {str(exc) or type(exc).__name__}; nothing was changed in a "
                                   f"container, run the task again") from None
 
-    def get_bytes(self, host_path: str) -> bytes:
-        import paramiko
-
-        if self.dry_run:
-            self.echo(f"# sftp get {host_path}")
-            return b""
-        try:
-            sftp = self.connect().sftp()
-            self.round_trips += 1
-            with sftp.open(host_path, "rb") as fh:
-                fh.prefetch()
-                return fh.read()
-        except (OSError, EOFError, paramiko.SSHException) as exc:
-            self._conn = None
-            raise HostUnreachable(f"connection to {self.host.name} lost while reading {host_path}: "
-                                  f"{str(exc) or type(exc).__name__}") from None
-
     def iter_file(self, host_path: str, *, block: int = 1 << 20,
                   stall_timeout: float = 60.0) -> Iterator[bytes]:
         """A host file's bytes as they come (`cat` on its own channel): memory stays bounded by the SSH

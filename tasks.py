@@ -134,16 +134,16 @@ def warmup(t, config=None, set=None, ct=None, inventory=None, dry_run=False):
     share the GPUs and the cache). On failure: non-zero exit and the traceback's last lines, with the
     runbook to read. Ctrl-C stops the warm-up in the container too.
     """
-    from dflash_ops import jobs
+    from dflash_ops import launch
 
-    jobs.warmup(t, config, set or ())
+    launch.warmup(t, config, set or ())
 
 
 def _train_nodes(targets, run=None, config=None, set=None, max_steps=None, rdzv_port=29400, **_):
     """Several containers: one run over all of them (multi-node training)."""
-    from dflash_ops import multinode
+    from dflash_ops import launch
 
-    multinode.launch_group(targets, run, config, set or (), max_steps, port=rdzv_port)
+    launch.launch_group(targets, run, config, set or (), max_steps, port=rdzv_port)
 
 
 @op_task(iterable=["set"], help={
@@ -178,13 +178,13 @@ def train(t, run=None, config=None, set=None, max_steps=None, ct=None, group=Non
     are averaged within each node and then across nodes, global rank 0 writes the checkpoints.
     `status`, `logs` and `stop` with the same --group show and stop every node.
     """  # noqa: E501 (the first line is the one-line summary `invoke --list` shows)
-    from dflash_ops import jobs
+    from dflash_ops import launch
 
     if float(wait) <= 0:
         raise UsageError(f"--wait {wait}: must be > 0 seconds (or give --no-wait)")
-    launched = jobs.launch(t, run, config, set or (), max_steps)
+    launched = launch.launch(t, run, config, set or (), max_steps)
     if not (dry_run or no_wait):  # the wait only watches: a dry run prints the commands that act
-        launched.verdict = jobs.wait_until_going(t, launched, float(wait))
+        launched.verdict = launch.wait_until_going(t, launched, float(wait))
     return launched
 
 
@@ -321,9 +321,9 @@ def stop(t, run=None, grace=30, ct=None, group=None, inventory=None, dry_run=Fal
     Signals the run's whole process group, records "stopped" in the run directory, and checks that
     no process of the run is left and the container's run lock is free.
     """
-    from dflash_ops import jobs
+    from dflash_ops import launch
 
-    return jobs.stop(t, run, grace)
+    return launch.stop(t, run, grace)
 
 
 @op_task(name="runs", help={"json": "print the container's answer as JSON for scripts",

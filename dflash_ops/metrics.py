@@ -13,7 +13,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from . import facts, jobs, terminal
+from . import facts, runs, terminal
 from .errors import RemoteCommandFailed, RunStateError
 from .status import fmt
 
@@ -97,7 +97,7 @@ def parse_metrics(text: str, run: str = "") -> RunMetrics:
 def fetch(t, run: str | None = None) -> RunMetrics | None:
     """Read run `run` (default: the latest) from the container in one round trip; None in a dry run."""
     ct = t.container
-    name = jobs.validate_run_name(run) if run is not None else None
+    name = runs.validate_run_name(run) if run is not None else None
     result = t.session.run_in(ct, facts.runs_line(ct, "metrics", {"runs": ct.paths.runs, "name": name}))
     if t.dry_run:
         return None

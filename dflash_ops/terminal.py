@@ -15,6 +15,7 @@ to print it with (no emoji codes, no highlighting, so what is printed is exactly
 from __future__ import annotations
 
 import re
+import sys
 
 # Bidirectional overrides and isolates reorder what is shown ("Trojan source"); line and
 # paragraph separators break lines on some terminals. Not controls, but shown the same way.
@@ -80,3 +81,31 @@ def console(**options):
     options.setdefault("emoji", False)
     options.setdefault("highlight", False)
     return Console(**options)
+
+
+class LineSink:
+    """A file-like `out_stream` for the transport: hands each complete line of remote output to `line`.
+
+    pty output ends lines with CR LF and progress bars redraw with CR: both are dropped.
+    """
+
+    out = None
+    _partial = ""
+
+    def write(self, data: str) -> int:
+        self._partial += data.replace("\r", "")
+        *complete, self._partial = self._partial.split("\n")
+        for line in complete:
+            self.line(line)
+        return len(data)
+
+    def flush(self) -> None:
+        (self.out or sys.stdout).flush()
+
+    def close(self) -> None:
+        if self._partial:
+            partial, self._partial = self._partial, ""
+            self.line(partial)
+
+    def line(self, line: str) -> None:
+        raise NotImplementedError

@@ -212,7 +212,7 @@ def _status_one(t, run=None, json=False, stall_after=600, dry_run=False, watch=F
     from dflash_ops import status as status_mod
 
     if watch and not (json or dry_run):
-        from dflash_ops import watch as watch_mod
+        from dflash_ops.oncall import watch as watch_mod
         watch_mod.watch(t, run, float(stall_after), float(interval))
         return
     st = status_mod.gather(t, run, float(stall_after))
@@ -262,7 +262,7 @@ def status(c, run=None, json=False, stall_after=600, ct=None, group=None, invent
     if check:
         from invoke import Exit
 
-        from dflash_ops import alerting, monitoring
+        from dflash_ops.oncall import alerting, monitoring
 
         def thresholds_and_targets():
             return (monitoring.Thresholds(float(stall_after), float(hang_after),
@@ -275,7 +275,7 @@ def status(c, run=None, json=False, stall_after=600, ct=None, group=None, invent
             raise Exit(code=code)
         return
     if prometheus is not None:
-        from dflash_ops import alerting
+        from dflash_ops.oncall import alerting
 
         written = alerting.export_metrics(cli.targets(c, ct, group, inventory, dry_run), run,
                                           float(stall_after), None if prometheus is True else prometheus)
@@ -307,7 +307,7 @@ def watch_run(t, run=None, every=30, stall_after=600, hang_after=1800, notify_cm
     watch. The webhook URL's credentials and tokens are never printed. Exit 0 when the run finished
     or was stopped, 6 when it crashed; Ctrl-C stops watching (the run goes on).
     """
-    from dflash_ops import alerting
+    from dflash_ops.oncall import alerting
 
     alerting.watch(t, run, float(every), float(stall_after),
                    float(hang_after), webhook=webhook, notify_cmd=notify_cmd)

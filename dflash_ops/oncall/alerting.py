@@ -13,10 +13,11 @@ from __future__ import annotations
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-from . import events, monitoring, notify, prometheus, runs
-from . import status as status_mod
-from .errors import ConnectError, ContainerError, DflashOpsError, RunStateError, UsageError
-from .terminal import visible
+from .. import runs
+from .. import status as status_mod
+from ..errors import ConnectError, ContainerError, DflashOpsError, RunStateError, UsageError
+from ..terminal import visible
+from . import events, monitoring, notify, prometheus
 
 
 def collect(targets, run, stall_after) -> list[tuple]:

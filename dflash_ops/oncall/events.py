@@ -20,11 +20,11 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 
-from . import runs
-from . import status as status_mod
-from .errors import ConnectError, ContainerError, RemoteCommandFailed, UsageError
+from .. import runs
+from .. import status as status_mod
+from ..errors import ConnectError, ContainerError, RemoteCommandFailed, UsageError
+from ..runs import validate_run_name
 from .monitoring import Thresholds
-from .runs import validate_run_name
 
 ENDED = ("crashed", "finished", "stopped")
 CRASH_PAGE = "docs/runbooks/alerting.md"  # a crash without a known signature: its first moves

@@ -11,9 +11,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from . import runs
-from .errors import UsageError
-from .status import DEFAULT_STALL_AFTER, RunStatus
+from .. import runs
+from ..errors import UsageError
+from ..status import DEFAULT_STALL_AFTER, RunStatus
 
 OK, WARNING, CRITICAL, UNKNOWN = 0, 1, 2, 3
 NAMES = {OK: "OK", WARNING: "WARNING", CRITICAL: "CRITICAL", UNKNOWN: "UNKNOWN"}

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import time
 
-from . import runs, terminal
-from . import status as status_mod
-from .errors import DflashOpsError
+from .. import runs, terminal
+from .. import status as status_mod
+from ..errors import DflashOpsError
 
 
 def _view(st, label: str, width: int):

@@ -129,6 +129,37 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 # --- client ---------------------------------------------------------------------------------------
+class _Output:
+    """A command's output as the frames bring it: decoded per stream (one incremental UTF-8 decoder
+    each), kept, and handed to the callbacks as it comes."""
+
+    def __init__(self, on_out, on_err):
+        self.decoders = {b"o": codecs.getincrementaldecoder("utf-8")("replace"),
+                         b"e": codecs.getincrementaldecoder("utf-8")("replace")}
+        self.parts: dict[bytes, list[str]] = {b"o": [], b"e": []}
+        self.sinks = {b"o": on_out, b"e": on_err}
+
+    def add(self, kind: bytes, data: bytes, final: bool = False) -> None:
+        text = self.decoders[kind].decode(data, final=final)
+        if text:
+            self.parts[kind].append(text)
+            if self.sinks[kind] is not None:
+                self.sinks[kind](text)
+
+    def finish(self, exited: int) -> tuple[str, str, int]:
+        for kind in self.decoders:
+            self.add(kind, b"", final=True)
+        return "".join(self.parts[b"o"]), "".join(self.parts[b"e"]), exited
+
+
+def _wait(sock: socket.socket, deadline: float | None) -> None:
+    """TimeoutError once `deadline` passes with nothing to read."""
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([sock], [], [], left)[0]:
+            raise TimeoutError
+
+
 def run(path: Path, line: str, *, on_out=None, on_err=None, timeout: float | None = None):
     """Run `line` through the master at `path`: (stdout, stderr, exited), or None when no master
     answers there. Output is decoded as UTF-8 (invalid bytes replaced) and handed to on_out/on_err as
@@ -140,27 +171,15 @@ def run(path: Path, line: str, *, on_out=None, on_err=None, timeout: float | Non
         sock.close()
         return None
     deadline = None if timeout is None else time.monotonic() + timeout
-    decoders = {b"o": codecs.getincrementaldecoder("utf-8")("replace"),
-                b"e": codecs.getincrementaldecoder("utf-8")("replace")}
-    out: dict[bytes, list[str]] = {b"o": [], b"e": []}
-    sinks = {b"o": on_out, b"e": on_err}
+    output = _Output(on_out, on_err)
     started = False
-
-    def emit(kind: bytes, text: str) -> None:
-        if text:
-            out[kind].append(text)
-            if sinks[kind] is not None:
-                sinks[kind](text)
     with sock:
         try:
             _send_header(sock, {"line": line})
         except OSError:
             return None
         while True:
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0 or not select.select([sock], [], [], left)[0]:
-                    raise TimeoutError
+            _wait(sock, deadline)
             try:
                 kind, size = FRAME.unpack(_recv_exact(sock, FRAME.size))
                 data = _recv_exact(sock, size)
@@ -170,12 +189,10 @@ def run(path: Path, line: str, *, on_out=None, on_err=None, timeout: float | Non
                 raise Lost(str(exc) or type(exc).__name__) from None
             if kind == b"s":
                 started = True
-            elif kind in out:
-                emit(kind, decoders[kind].decode(data))
+            elif kind in output.parts:
+                output.add(kind, data)
             elif kind == b"x":
-                for k, dec in decoders.items():
-                    emit(k, dec.decode(b"", final=True))
-                return "".join(out[b"o"]), "".join(out[b"e"]), int(data)
+                return output.finish(int(data))
             elif kind == b"R":
                 raise Refused(data.decode("utf-8", "replace"))
             else:  # b"E" or anything unexpected

@@ -134,16 +134,16 @@ def warmup(t, config=None, set=None, ct=None, inventory=None, dry_run=False):
     share the GPUs and the cache). On failure: non-zero exit and the traceback's last lines, with the
     runbook to read. Ctrl-C stops the warm-up in the container too.
     """
-    from dflash_ops import jobs
+    from dflash_ops import launch
 
-    jobs.warmup(t, config, set or ())
+    launch.warmup(t, config, set or ())
 
 
 def _train_nodes(targets, run=None, config=None, set=None, max_steps=None, rdzv_port=29400, **_):
     """Several containers: one run over all of them (multi-node training)."""
-    from dflash_ops import multinode
+    from dflash_ops import launch
 
-    multinode.launch_group(targets, run, config, set or (), max_steps, port=rdzv_port)
+    launch.launch_group(targets, run, config, set or (), max_steps, port=rdzv_port)
 
 
 @op_task(iterable=["set"], help={
@@ -179,13 +179,13 @@ def train(t, run=None, config=None, set=None, max_steps=None, ct=None, group=Non
     are averaged within each node and then across nodes, global rank 0 writes the checkpoints.
     `status`, `logs` and `stop` with the same --group show and stop every node.
     """  # noqa: E501 (the first line is the one-line summary `invoke --list` shows)
-    from dflash_ops import jobs
+    from dflash_ops import launch
 
     if float(wait) <= 0:
         raise UsageError(f"--wait {wait}: must be > 0 seconds (or give --no-wait)")
-    launched = jobs.launch(t, run, config, set or (), max_steps)
+    launched = launch.launch(t, run, config, set or (), max_steps)
     if not (dry_run or no_wait):  # the wait only watches: a dry run prints the commands that act
-        launched.verdict = jobs.wait_until_going(t, launched, float(wait))
+        launched.verdict = launch.wait_until_going(t, launched, float(wait))
     return launched
 
 
@@ -213,7 +213,7 @@ def _status_one(t, run=None, json=False, stall_after=600, dry_run=False, watch=F
     from dflash_ops import status as status_mod
 
     if watch and not (json or dry_run):
-        from dflash_ops import watch as watch_mod
+        from dflash_ops.oncall import watch as watch_mod
         watch_mod.watch(t, run, float(stall_after), float(interval))
         return
     st = status_mod.gather(t, run, float(stall_after))
@@ -263,7 +263,7 @@ def status(c, run=None, json=False, stall_after=600, ct=None, group=None, invent
     if check:
         from invoke import Exit
 
-        from dflash_ops import alerting, monitoring
+        from dflash_ops.oncall import alerting, monitoring
 
         def thresholds_and_targets():
             return (monitoring.Thresholds(float(stall_after), float(hang_after),
@@ -276,7 +276,7 @@ def status(c, run=None, json=False, stall_after=600, ct=None, group=None, invent
             raise Exit(code=code)
         return
     if prometheus is not None:
-        from dflash_ops import alerting
+        from dflash_ops.oncall import alerting
 
         written = alerting.export_metrics(cli.targets(c, ct, group, inventory, dry_run), run,
                                           float(stall_after), None if prometheus is True else prometheus)
@@ -308,7 +308,7 @@ def watch_run(t, run=None, every=30, stall_after=600, hang_after=1800, notify_cm
     watch. The webhook URL's credentials and tokens are never printed. Exit 0 when the run finished
     or was stopped, 6 when it crashed; Ctrl-C stops watching (the run goes on).
     """
-    from dflash_ops import alerting
+    from dflash_ops.oncall import alerting
 
     alerting.watch(t, run, float(every), float(stall_after),
                    float(hang_after), webhook=webhook, notify_cmd=notify_cmd)
@@ -322,9 +322,9 @@ def stop(t, run=None, grace=30, ct=None, group=None, inventory=None, dry_run=Fal
     Signals the run's whole process group, records "stopped" in the run directory, and checks that
     no process of the run is left and the container's run lock is free.
     """
-    from dflash_ops import jobs
+    from dflash_ops import launch
 
-    return jobs.stop(t, run, grace)
+    return launch.stop(t, run, grace)
 
 
 @op_task(name="runs", help={"json": "print the container's answer as JSON for scripts",

@@ -178,11 +178,6 @@ def sh_script(script: str, *args: str) -> list[str]:
     return ["sh", "-c", script, "sh", *[_check(a) for a in args]]
 
 
-def and_then(*lines: str) -> str:
-    """Several host command lines in one round trip; stops at the first failure."""
-    return " && ".join(f"{{ {line}; }}" if "&&" in line or "||" in line else line for line in lines)
-
-
 def mask(text: str, secrets: Iterable[str]) -> str:
     """Hide secret values (raw and quoted forms) in anything shown to a person."""
     for value in sorted({s for s in secrets if s}, key=len, reverse=True):

@@ -7,44 +7,21 @@ shown). One round trip each.
 
 from __future__ import annotations
 
-import json
 import posixpath
-import sys
 from collections.abc import Sequence
 
-from . import jobs, terminal
-from .errors import DflashOpsError, ExitStatus, RemoteCommandFailed, UsageError
+from . import payload, runs
+from .errors import DflashOpsError, ExitStatus, UsageError
 from .inventory import Container
 
 EVAL_SCRIPT = "eval_dflash.py"
 REGENERATE_SCRIPT = "regenerate_data.py"
-RESULT = "RESULT "
-EXIT_NOT_LOSSLESS, EXIT_BAD_INPUT = 3, 2  # eval_dflash.py's exit codes
+EXIT_NOT_LOSSLESS = 3  # eval_dflash.py's exit code when speculative decoding changed an output
 DEFAULT_SOURCES = ("data/train.jsonl", "data/heldout.jsonl")  # relative to paths.code
-# A script's own one-line error (`eval_dflash: error: ...`): the task's error line carries it, so the
-# streamed stderr leaves it out (bad input is one line, not the same line twice).
-SCRIPT_ERRORS = tuple(f"{posixpath.splitext(script)[0]}: error: "
-                      for script in (EVAL_SCRIPT, REGENERATE_SCRIPT))
 
 
 class NotLossless(DflashOpsError, exit_status=ExitStatus.NOT_LOSSLESS):
     """Speculative decoding changed the target's greedy output: the drafter/target pairing is broken."""
-
-
-class _ShowLines(jobs.LineSink):
-    """A stream that prints what the script says, except the machine-readable RESULT lines, the
-    weight-loading progress bars and lines starting with one of `hide`."""
-
-    def __init__(self, echo=print, hide: tuple[str, ...] = ()):
-        self._echo, self._hide = echo, hide
-
-    def line(self, line: str) -> None:
-        if not line.startswith((RESULT, *self._hide)) and "Loading weights" not in line:
-            self._echo(terminal.visible(line))
-
-
-def _to_stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
 
 
 def _first_device(ct: Container) -> str:
@@ -64,7 +41,7 @@ def eval_argv(ct: Container, run: str, checkpoint: str = "latest", prompts: str 
     for name, value in (("num-prompts", num_prompts), ("max-new-tokens", max_new_tokens)):
         if value is not None and int(value) < 1:
             raise UsageError(f"--{name} {value}: must be >= 1")
-    return [ct.venv_python, f"{ct.paths.code}/{EVAL_SCRIPT}", f"--run-dir={jobs.run_dir(ct, run)}",
+    return [ct.venv_python, f"{ct.paths.code}/{EVAL_SCRIPT}", f"--run-dir={runs.run_dir(ct, run)}",
             f"--checkpoint={checkpoint}", *_option("prompts", prompts),
             *_option("num-prompts", num_prompts), *_option("max-new-tokens", max_new_tokens),
             *_option("device", device or _first_device(ct))]
@@ -101,50 +78,15 @@ def regenerate_argv(ct: Container, sources: Sequence[str] = (), out_dir: str | N
     return argv, outputs
 
 
-def results_of(stdout: str) -> list[dict]:
-    """The JSON object of every `RESULT ` line (a script prints one per result). Lines are split on
-    `\n` only, as the script writes them; a RESULT line that is not a JSON object is one error line."""
-    found = []
-    for line in stdout.split("\n"):
-        if not line.startswith(RESULT):
-            continue
-        try:
-            value = json.loads(line[len(RESULT):])
-        except (ValueError, RecursionError):
-            value = None
-        if not isinstance(value, dict):
-            raise RemoteCommandFailed(f"unreadable result line from the container: "
-                                      f"{terminal.visible(line)[:200]}")
-        found.append(value)
-    return found
-
-
-def _run_script(t, argv: list[str], what: str, echo=print):
-    ct = t.container
-    result = t.session.exec(ct, argv, env=ct.run_env(), cwd=ct.paths.code, check=False,
-                            out_stream=_ShowLines(echo), err_stream=_ShowLines(_to_stderr, SCRIPT_ERRORS))
-    if t.dry_run:
-        return result, []
-    found = results_of(result.stdout)
-    if result.exited not in (0, EXIT_NOT_LOSSLESS) or not found:
-        said = result.stderr.strip().splitlines() or ["(no output)"]
-        last = next((line for line in reversed(said) if line.startswith(SCRIPT_ERRORS)), said[-1])
-        hint = " (run `invoke deploy` first?)" if "No such file" in result.stderr else ""
-        if "No module named" in result.stderr:
-            hint = " (the container's venv predates remote_scripts/requirements.txt: run `invoke deploy`)"
-        raise RemoteCommandFailed(f"{ct.label}: {what} failed (exit {result.exited}): {last}{hint}",
-                                  exited=result.exited, stderr_tail=last)
-    return result, found
-
-
 def evaluate(t, run: str, echo=print, **options) -> dict | None:
     """Run eval_dflash.py on run `run`; returns its record (None in a dry run).
 
     Raises NotLossless (after the numbers are shown by the caller's `describe`) when speculative
     decoding changed the output.
     """
-    run = jobs.validate_run_name(run)
-    result, found = _run_script(t, eval_argv(t.container, run, **options), "evaluation", echo)
+    run = runs.validate_run_name(run)
+    result, found = payload.run_script(t, eval_argv(t.container, run, **options), "evaluation", echo,
+                                       ok=(0, EXIT_NOT_LOSSLESS))
     if t.dry_run:
         return None
     record = found[-1]
@@ -159,7 +101,7 @@ def evaluate(t, run: str, echo=print, **options) -> dict | None:
 def regenerate(t, echo=print, **options) -> list[dict]:
     """Run regenerate_data.py in the container; returns one stats dict per output file."""
     argv, _ = regenerate_argv(t.container, **options)
-    _, found = _run_script(t, argv, "regeneration", echo)
+    _, found = payload.run_script(t, argv, "regeneration", echo)
     return found
 
 

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import commands, facts, jobs, terminal, transport
+from . import commands, facts, runs, terminal, transport
 from .errors import DflashOpsError, ExitStatus, RemoteCommandFailed, RunStateError, UntrustedData, UsageError
 
 MODEL_FILES = ("config.json", "model.safetensors")
@@ -313,7 +313,7 @@ def _terminate(signum, frame):
 def fetch(t, run: str, to: str, checkpoint: str = "latest", force: bool = False,
           with_state: bool = False, echo=print, timeout: float = 0.0) -> Fetched | None:
     ct, session = t.container, t.session
-    run = jobs.validate_run_name(run)
+    run = runs.validate_run_name(run)
     checkpoint = validate_checkpoint(checkpoint)
     to = os.path.abspath(os.path.expanduser(to))
     names = [*MODEL_FILES, *([STATE_FILE] if with_state else [])]

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import facts, jobs
+from . import facts, runs
 from .errors import RemoteCommandFailed, UsageError
 from .facts import human_bytes
 from .terminal import markup, visible
@@ -39,7 +39,7 @@ def check_keep(keep) -> int:
 
 
 def payload(ct, **extra) -> dict:
-    return {"runs": ct.paths.runs, "lock": jobs.lock_path(ct), "current": f"{ct.paths.runs}/{jobs.CURRENT}",
+    return {"runs": ct.paths.runs, "lock": runs.lock_path(ct), "current": runs.current_path(ct),
             **extra}
 
 

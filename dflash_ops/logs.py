@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 import threading
 
-from . import commands, facts, jobs, signatures, terminal
+from . import commands, facts, runs, terminal
 from .errors import HostUnreachable, RemoteCommandFailed, RunStateError, UsageError
 
 MARK = "==> dflash-ops:"
@@ -65,8 +65,8 @@ def follow_argv(runs: str, run: str | None, lines: int) -> list[str]:
     return commands.sh_script(FOLLOW_SCRIPT, runs, run or "", str(int(lines)), str(END_GRACE_S))
 
 
-class LogPrinter(jobs.LineSink):
-    """Prints remote log lines as they come and highlights known failure signatures.
+class LogPrinter(terminal.LineSink):
+    """Prints remote log lines as they come and highlights known failure runs.
 
     Lines are the container's text: shown through `terminal.visible` unless `raw` (`logs --raw`).
     """
@@ -92,17 +92,17 @@ class LogPrinter(jobs.LineSink):
                 self.ended = terminal.visible(rest)
             print(shown, file=out, flush=True)
             return
-        sig = signatures.match(line)
+        sig = runs.match(line)
         if sig is None:
             print(shown, file=out, flush=True)
             return
         self.findings[sig.key] = (sig, line)
         red, reset = ("\x1b[1;31m", "\x1b[0m") if getattr(out, "isatty", lambda: False)() else ("", "")
         print(f"{red}{shown}{reset}", file=out, flush=True)
-        print(f"{red}>>> {signatures.advice(sig)}{reset}", file=out, flush=True)
+        print(f"{red}>>> {runs.advice(sig)}{reset}", file=out, flush=True)
 
     def summary(self) -> list[str]:
-        return [signatures.advice(sig) for sig, _ in self.findings.values()]
+        return [runs.advice(sig) for sig, _ in self.findings.values()]
 
     def describe(self) -> str:
         """What follows the log lines: why following stopped, and the runbook for each finding."""
@@ -114,7 +114,7 @@ class LogPrinter(jobs.LineSink):
         return ended + (f"; {findings}" if findings else "")
 
 
-class LabelledLines(jobs.LineSink):
+class LabelledLines(terminal.LineSink):
     """Where a fan-out's log lines go: each prefixed with its container, whole lines only."""
 
     _lock = threading.Lock()
@@ -136,7 +136,7 @@ def show(t, run: str | None = None, lines: int = DEFAULT_LINES, follow: bool = F
 
     `raw`: the log's bytes as the container wrote them, escape sequences included (asked for)."""
     ct = t.container
-    name = jobs.validate_run_name(run) if run is not None else None
+    name = runs.validate_run_name(run) if run is not None else None
     if int(lines) < 0:
         raise UsageError(f"-n {lines}: must be >= 0")
     if out is None and t.grouped:  # one of several containers: label every line

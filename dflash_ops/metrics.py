@@ -13,7 +13,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from . import facts, jobs, terminal
+from . import facts, runs, terminal
 from .errors import RemoteCommandFailed, RunStateError
 from .status import fmt
 
@@ -97,7 +97,7 @@ def parse_metrics(text: str, run: str = "") -> RunMetrics:
 def fetch(t, run: str | None = None) -> RunMetrics | None:
     """Read run `run` (default: the latest) from the container in one round trip; None in a dry run."""
     ct = t.container
-    name = jobs.validate_run_name(run) if run is not None else None
+    name = runs.validate_run_name(run) if run is not None else None
     result = t.session.run_in(ct, facts.runs_line(ct, "metrics", {"runs": ct.paths.runs, "name": name}))
     if t.dry_run:
         return None
@@ -180,58 +180,56 @@ def _series(records: list[dict], key: str):
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
-def plot(metrics: RunMetrics, path: str) -> str:
-    """Loss, acceptance length, per-slot accuracy and throughput against step, in one PNG."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib import cm
+COLOUR_TRAIN, COLOUR_HELD, COLOUR_EVAL = "#1f77b4", "#d62728", "#2ca02c"
+
+
+def _curve(ax, records, key, colour, label) -> None:
+    """A series against step, smoothed (the raw values faint behind it)."""
+    steps, values = _series(records, key)
+    if not steps:
+        return
+    smooth = _smooth(values, len(values))
+    if smooth is not values:
+        ax.plot(steps, values, color=colour, alpha=0.25, linewidth=0.8)
+    ax.plot(steps, smooth, color=colour, linewidth=2, label=label)
+
+
+def _points(ax, records, key, colour, label, marker="o") -> None:
+    steps, values = _series(records, key)
+    if steps:
+        ax.plot(steps, values, color=colour, marker=marker, linestyle="--", linewidth=1.2,
+                markersize=6, label=label)
+
+
+def _plot_loss(ax, train, held) -> None:
     from matplotlib.ticker import FormatStrFormatter, LogLocator
 
-    if not metrics.train and not metrics.eval:
-        from .errors import RunStateError
-        raise RunStateError(f"run {metrics.run} has no metrics yet: nothing to plot")
-    train, held = metrics.train, metrics.eval
-    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5), dpi=110, constrained_layout=True)
-    (ax_loss, ax_tau), (ax_slot, ax_speed) = axes
-    colour_train, colour_held, colour_eval = "#1f77b4", "#d62728", "#2ca02c"
+    _curve(ax, train, "loss", COLOUR_TRAIN, "train")
+    _points(ax, held, "loss", COLOUR_HELD, "held-out")
+    ax.set_yscale("log")
+    ax.yaxis.set_minor_locator(LogLocator(subs=(2.0, 5.0)))  # labels at 1, 2, 5, 10, 20, 50
+    ax.yaxis.set_major_formatter(FormatStrFormatter("%.3g"))
+    ax.yaxis.set_minor_formatter(FormatStrFormatter("%.3g"))
+    ax.set_title("Loss (decay-weighted cross-entropy)", loc="left", fontweight="bold")
 
-    def curve(ax, records, key, colour, label):
-        steps, values = _series(records, key)
-        if not steps:
-            return
-        smooth = _smooth(values, len(values))
-        if smooth is not values:
-            ax.plot(steps, values, color=colour, alpha=0.25, linewidth=0.8)
-        ax.plot(steps, smooth, color=colour, linewidth=2, label=label)
 
-    def points(ax, records, key, colour, label, marker="o"):
-        steps, values = _series(records, key)
-        if steps:
-            ax.plot(steps, values, color=colour, marker=marker, linestyle="--", linewidth=1.2,
-                    markersize=6, label=label)
-
-    curve(ax_loss, train, "loss", colour_train, "train")
-    points(ax_loss, held, "loss", colour_held, "held-out")
-    ax_loss.set_yscale("log")
-    ax_loss.yaxis.set_minor_locator(LogLocator(subs=(2.0, 5.0)))  # labels at 1, 2, 5, 10, 20, 50
-    ax_loss.yaxis.set_major_formatter(FormatStrFormatter("%.3g"))
-    ax_loss.yaxis.set_minor_formatter(FormatStrFormatter("%.3g"))
-    ax_loss.set_title("Loss (decay-weighted cross-entropy)", loc="left", fontweight="bold")
-
-    curve(ax_tau, train, "acceptance_length", colour_train, "train (teacher-forced)")
-    points(ax_tau, held, "acceptance_length", colour_held, "held-out (teacher-forced)")
-    evals = [r for r in metrics.dflash_evals if r.get("step") is not None]
+def _plot_tau(ax, train, held, evals) -> None:
+    _curve(ax, train, "acceptance_length", COLOUR_TRAIN, "train (teacher-forced)")
+    _points(ax, held, "acceptance_length", COLOUR_HELD, "held-out (teacher-forced)")
     if evals:
         steps, values = _series(evals, "acceptance_length")
-        ax_tau.scatter(steps, values, marker="*", s=260, color=colour_eval, zorder=5,
-                       edgecolor="black", linewidth=0.6, label="dflash_generate (greedy, lossless)")
+        ax.scatter(steps, values, marker="*", s=260, color=COLOUR_EVAL, zorder=5,
+                   edgecolor="black", linewidth=0.6, label="dflash_generate (greedy, lossless)")
         for s, v in zip(steps, values, strict=True):
-            ax_tau.annotate(f"{v:.2f}", (s, v), textcoords="offset points", xytext=(8, -12),
-                            color=colour_eval, fontweight="bold")
-    ax_tau.axhline(1.0, color="grey", linestyle=":", linewidth=1)
-    ax_tau.set_title("Acceptance length τ: teacher-forced (lines), dflash eval (stars)", loc="left",
-                     fontweight="bold")
+            ax.annotate(f"{v:.2f}", (s, v), textcoords="offset points", xytext=(8, -12),
+                        color=COLOUR_EVAL, fontweight="bold")
+    ax.axhline(1.0, color="grey", linestyle=":", linewidth=1)
+    ax.set_title("Acceptance length τ: teacher-forced (lines), dflash eval (stars)", loc="left",
+                 fontweight="bold")
+
+
+def _plot_slots(ax, train) -> None:
+    from matplotlib import cm
 
     for r in train:  # the per-slot panel plots numbers only
         if not isinstance(r.get("slot_accuracy"), list) or not all(map(_number, r["slot_accuracy"])):
@@ -243,23 +241,44 @@ def plot(metrics: RunMetrics, path: str) -> str:
         steps = [r["step"] for r in rows]
         values = [r["slot_accuracy"][slot] for r in rows]
         label = f"slot {slot + 1}" if slot in (0, slots - 1) or slots <= 8 else None
-        ax_slot.plot(steps, _smooth(values, len(values)), color=colours[slot], linewidth=1.6, label=label)
-    ax_slot.set_ylim(0, 1)
-    ax_slot.set_title("Per-slot accuracy (slot k predicts token anchor+k)", loc="left", fontweight="bold")
+        ax.plot(steps, _smooth(values, len(values)), color=colours[slot], linewidth=1.6, label=label)
+    ax.set_ylim(0, 1)
+    ax.set_title("Per-slot accuracy (slot k predicts token anchor+k)", loc="left", fontweight="bold")
 
-    curve(ax_speed, train, "tokens_per_s", "#9467bd", "tokens/s")
-    ax_speed.set_ylim(bottom=0)
-    ax_speed.set_title("Throughput (target tokens/s) and learning rate", loc="left", fontweight="bold")
+
+def _plot_speed(ax, train) -> None:
+    _curve(ax, train, "tokens_per_s", "#9467bd", "tokens/s")
+    ax.set_ylim(bottom=0)
+    ax.set_title("Throughput (target tokens/s) and learning rate", loc="left", fontweight="bold")
     steps, lrs = _series(train, "lr")
     if steps:
-        ax_lr = ax_speed.twinx()
+        ax_lr = ax.twinx()
         ax_lr.plot(steps, lrs, color="grey", linestyle="--", linewidth=1, label="lr")
         ax_lr.set_ylabel("learning rate", color="grey")
         ax_lr.tick_params(axis="y", colors="grey")
         ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
         ax_lr.set_ylim(bottom=0)
-        handles = [h for ax in (ax_speed, ax_lr) for h in ax.get_legend_handles_labels()[0]]
-        ax_speed.legend(handles=handles, loc="lower left", fontsize=9, framealpha=0.8)
+        handles = [h for a in (ax, ax_lr) for h in a.get_legend_handles_labels()[0]]
+        ax.legend(handles=handles, loc="lower left", fontsize=9, framealpha=0.8)
+
+
+def plot(metrics: RunMetrics, path: str) -> str:
+    """Loss, acceptance length, per-slot accuracy and throughput against step, in one PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not metrics.train and not metrics.eval:
+        from .errors import RunStateError
+        raise RunStateError(f"run {metrics.run} has no metrics yet: nothing to plot")
+    train, held = metrics.train, metrics.eval
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5), dpi=110, constrained_layout=True)
+    (ax_loss, ax_tau), (ax_slot, ax_speed) = axes
+    evals = [r for r in metrics.dflash_evals if r.get("step") is not None]
+    _plot_loss(ax_loss, train, held)
+    _plot_tau(ax_tau, train, held, evals)
+    _plot_slots(ax_slot, train)
+    _plot_speed(ax_speed, train)
 
     saved = [r["step"] for r in metrics.checkpoints if isinstance(r.get("step"), int)]
     for ax in axes.flat:

@@ -57,6 +57,7 @@ CHUNK = 1 << 16
 SUN_PATH_MAX = 107
 HOST_KEY_RECHECK_S = 5.0  # the longest a master serves on a host key it has not seen offered again
 SPEC_MAX = 1 << 16
+MASTER_MODULE = "dflash_ops.transport"  # `python -m` it with a spec: a master (transport.master_main)
 
 
 class Refused(Exception):
@@ -159,6 +160,39 @@ class OutputTail(list):
             self.size = len(tail)
 
 
+class _Output:
+    """A command's output as the frames bring it: decoded per stream (one incremental UTF-8 decoder
+    each), kept (only its tail, OutputTail, where a callback takes it as it comes), and handed to
+    the callbacks as it comes."""
+
+    def __init__(self, on_out, on_err):
+        self.decoders = {b"o": codecs.getincrementaldecoder("utf-8")("replace"),
+                         b"e": codecs.getincrementaldecoder("utf-8")("replace")}
+        self.sinks = {b"o": on_out, b"e": on_err}
+        self.parts: dict[bytes, list[str]] = {k: [] if sink is None else OutputTail()
+                                              for k, sink in self.sinks.items()}
+
+    def add(self, kind: bytes, data: bytes, final: bool = False) -> None:
+        text = self.decoders[kind].decode(data, final=final)
+        if text:
+            self.parts[kind].append(text)
+            if self.sinks[kind] is not None:
+                self.sinks[kind](text)
+
+    def finish(self, exited: int) -> tuple[str, str, int]:
+        for kind in self.decoders:
+            self.add(kind, b"", final=True)
+        return "".join(self.parts[b"o"]), "".join(self.parts[b"e"]), exited
+
+
+def _wait(sock: socket.socket, deadline: float | None) -> None:
+    """TimeoutError once `deadline` passes with nothing to read."""
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([sock], [], [], left)[0]:
+            raise TimeoutError
+
+
 def run(path: Path, line: str, *, on_out=None, on_err=None, timeout: float | None = None):
     """Run `line` through the master at `path`: (stdout, stderr, exited), or None when no master
     answers there. Output is decoded as UTF-8 (invalid bytes replaced) and handed to on_out/on_err as
@@ -171,27 +205,15 @@ def run(path: Path, line: str, *, on_out=None, on_err=None, timeout: float | Non
         sock.close()
         return None
     deadline = None if timeout is None else time.monotonic() + timeout
-    decoders = {b"o": codecs.getincrementaldecoder("utf-8")("replace"),
-                b"e": codecs.getincrementaldecoder("utf-8")("replace")}
-    sinks = {b"o": on_out, b"e": on_err}
-    out: dict[bytes, list[str]] = {k: [] if sink is None else OutputTail() for k, sink in sinks.items()}
+    output = _Output(on_out, on_err)
     started = False
-
-    def emit(kind: bytes, text: str) -> None:
-        if text:
-            out[kind].append(text)
-            if sinks[kind] is not None:
-                sinks[kind](text)
     with sock:
         try:
             _send_header(sock, {"line": line})
         except OSError:
             return None
         while True:
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0 or not select.select([sock], [], [], left)[0]:
-                    raise TimeoutError
+            _wait(sock, deadline)
             try:
                 kind, size = FRAME.unpack(_recv_exact(sock, FRAME.size))
                 data = _recv_exact(sock, size)
@@ -201,12 +223,10 @@ def run(path: Path, line: str, *, on_out=None, on_err=None, timeout: float | Non
                 raise Lost(str(exc) or type(exc).__name__) from None
             if kind == b"s":
                 started = True
-            elif kind in out:
-                emit(kind, decoders[kind].decode(data))
+            elif kind in output.parts:
+                output.add(kind, data)
             elif kind == b"x":
-                for k, dec in decoders.items():
-                    emit(k, dec.decode(b"", final=True))
-                return "".join(out[b"o"]), "".join(out[b"e"]), int(data)
+                return output.finish(int(data))
             elif kind == b"R":
                 raise Refused(data.decode("utf-8", "replace"))
             else:  # b"E" or anything unexpected
@@ -248,13 +268,14 @@ def start_master(host, jump, persist: int, path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (package_parent, os.environ.get("PYTHONPATH")) if p)}
     # sh puts it in the background and exits: the master is nobody's child here, and the task does
-    # not wait for its connection. The spec (address, user, key path) comes on its stdin, a pipe that
+    # not wait for its connection. Its entry point is transport.py's (`python -m dflash_ops.transport`),
+    # which makes the session. The spec (address, user, key path) comes on its stdin, a pipe that
     # holds it whole (SPEC_MAX), never in argv, which every local user can read in /proc.
     if len(spec) > SPEC_MAX:
         return
     # (An asynchronous command's stdin is /dev/null unless redirected: hence fd 3.)
     subprocess.run(["/bin/sh", "-c", 'exec 3<&0; exec "$@" <&3 3<&- >/dev/null 2>&1 &', "sh",
-                    sys.executable, "-m", "dflash_ops.mux"], input=spec.encode(), env=env, cwd="/",
+                    sys.executable, "-m", MASTER_MODULE], input=spec.encode(), env=env, cwd="/",
                    start_new_session=True, check=False)
 
 
@@ -272,10 +293,8 @@ class Master:
 
     def host_key_changed(self) -> str:
         """Why this master may not serve another command on its connection ("" : it may)."""
-        from .transport import host_key_pinned
-
         with self.key_lock:
-            if not host_key_pinned(self.session.host, self.key):
+            if not self.session.key_pinned(self.key):
                 return "known_hosts no longer pins the host key this connection was opened with"
             if time.monotonic() - self.key_checked < HOST_KEY_RECHECK_S:
                 return ""
@@ -375,12 +394,11 @@ class Master:
             channel.close()
 
 
-def main(spec_text: str) -> int:
+def serve(spec: dict, session) -> int:
+    """The master's life: `spec` from `start_master`, `session` an unconnected HostSession for its
+    host (transport.py builds it: this module imports neither transport nor inventory)."""
     import fcntl
 
-    spec = json.loads(spec_text)
-    if not isinstance(spec, dict):
-        return 1
     path = Path(spec["path"])
     if not private_dir(path.parent):
         return 1
@@ -389,12 +407,6 @@ def main(spec_text: str) -> int:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         return 0  # another master for this host is starting or serving
-    from .inventory import Host
-    from .transport import HostSession
-
-    host = Host(**spec["host"])
-    jump = Host(**spec["jump"]) if spec["jump"] else None
-    session = HostSession(host, jump=jump, share=False)
     session.connect()  # verified and authenticated as any task's connection, or the master ends here
     try:
         path.unlink()
@@ -419,10 +431,3 @@ def main(spec_text: str) -> int:
             pass
         session.close()
     return 0
-
-
-if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.stdin.read(SPEC_MAX + 1)))
-    except Exception:  # noqa: BLE001 - nobody reads a master's errors; the next task connects itself
-        sys.exit(1)

@@ -155,9 +155,9 @@ def measured_from(record: dict, gpus: int | None = None) -> Measured:
 
 def plan_argv(ct, config: str | None = None, sets=()) -> list[str]:
     """Pure: the training argv (same config, sets and devices as `train`) of plan_layout.py."""
-    from . import jobs
+    from . import payload
 
-    return [*jobs.payload_argv(ct, PLAN_SCRIPT, config, sets), f"--save={ct.paths.runs}/{PLAN_FILE}"]
+    return [*payload.payload_argv(ct, PLAN_SCRIPT, config, sets), f"--save={ct.paths.runs}/{PLAN_FILE}"]
 
 
 def report(ct, record: dict, steps: int = 20_000) -> tuple[list[Layout], Layout, str]:
@@ -202,10 +202,10 @@ def write_fragment(path: str, ctid: int, choice: Layout, m: Measured) -> None:
 
 def plan(t, config: str | None = None, sets=(), write: str | None = None, echo=print) -> dict | None:
     """Measure in the container (about a minute, progress shown), print the layouts and the best."""
-    from . import evaluate
+    from . import payload
 
     ct = t.container
-    _, found = evaluate._run_script(t, plan_argv(ct, config, sets), "plan", echo)
+    _, found = payload.run_script(t, plan_argv(ct, config, sets), "plan", echo)
     if t.dry_run:
         return None
     record = found[-1]

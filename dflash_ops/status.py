@@ -18,11 +18,11 @@ import contextlib
 import json
 import math
 import re
-import signal as _signal
 import sys
 from dataclasses import asdict, dataclass, field
 
-from . import facts, fanout, jobs, signatures, terminal
+from . import facts, fanout, runs, terminal
+from .runs import describe_exit, last_error_line
 
 DEFAULT_STALL_AFTER = 600
 LOW_SPACE = 1 << 20  # bytes free on the run directory's filesystem below which it counts as full
@@ -117,20 +117,6 @@ def _gpu(text: str) -> Gpu | None:
     return Gpu(*(_int(p) for p in parts))
 
 
-def describe_exit(code: str | None) -> str:
-    """`signal 9` -> `killed by signal 9 (SIGKILL)`; `3` -> `exit 3`."""
-    if code is None:
-        return "no exit code recorded (its wrapper was killed too, or the container restarted)"
-    if code.startswith("signal "):
-        num = _int(code.split()[1])
-        try:
-            name = _signal.Signals(num).name
-        except (TypeError, ValueError):
-            name = "?"
-        return f"killed by signal {num} ({name})"
-    return f"exit {code}"
-
-
 def load_answer(text: str) -> dict:
     """The verb's stdout -> its JSON object; ValueError (one line) for anything else."""
     answer = facts.json_answer(text, "status facts are incomplete", MAX_ANSWER)
@@ -169,11 +155,11 @@ def parse_status(text: str, stall_after: float = DEFAULT_STALL_AFTER) -> RunStat
     st.data_warnings = _data_warnings(facts_.get("data"))
     logs = _texts(facts_.get("log"), 2000, 200)
     st.findings = [{"key": s.key, "title": s.title, "runbook": s.runbook, "line": line}
-                   for s, line in signatures.scan(logs)]
+                   for s, line in runs.scan(logs)]
     free = _int(facts_.get("free"))
     if free is not None and free < LOW_SPACE and not any(f["key"] == "disk-full" for f in st.findings):
         # A full disk may have cut the log (and the wrapper's exit code) before any error line.
-        sig = next(s for s in signatures.SIGNATURES if s.key == "disk-full")
+        sig = next(s for s in runs.SIGNATURES if s.key == "disk-full")
         st.findings.append({"key": sig.key, "title": sig.title, "runbook": sig.runbook,
                             "line": f"{free} bytes free on the run directory's filesystem"})
 
@@ -182,7 +168,7 @@ def parse_status(text: str, stall_after: float = DEFAULT_STALL_AFTER) -> RunStat
         if st.idle_s is not None and st.idle_s > stall_after:
             st.state = "stalled"
             st.detail = f"no new log line or metric for {st.idle_s} s (threshold {stall_after:g} s)"
-            sig = signatures.STALLED
+            sig = runs.STALLED
             st.findings.append({"key": sig.key, "title": sig.title, "runbook": sig.runbook, "line": ""})
         else:
             st.state = "running"
@@ -206,17 +192,6 @@ def parse_status(text: str, stall_after: float = DEFAULT_STALL_AFTER) -> RunStat
     if st.state == "crashed":
         st.last_error = last_error_line(logs)
     return st
-
-
-WRAPPER_LINE = re.compile(r"^dflash-ops: (launch |training process \d+ ended)")
-ERROR_LINE = re.compile(r"error|exception|killed|fatal|denied|no space|not found", re.I)
-
-
-def last_error_line(lines: list[str]) -> str | None:
-    """The line that says why a run died: the last one that reads like an error, else the last one."""
-    own = [ln for ln in lines if ln.strip() and not WRAPPER_LINE.match(ln)]
-    errors = [ln for ln in own if ERROR_LINE.search(ln)]
-    return (errors or own or [None])[-1]
 
 
 def _apply_metrics(st: RunStatus, lines: list[str]) -> None:
@@ -308,7 +283,7 @@ def gather(t, run: str | None = None, stall_after: float = DEFAULT_STALL_AFTER) 
     from .errors import RemoteCommandFailed
 
     ct = t.container
-    name = jobs.validate_run_name(run) if run is not None else None
+    name = runs.validate_run_name(run) if run is not None else None
     result = t.session.run_in(ct, status_line(ct, name))
     if t.dry_run:
         return None

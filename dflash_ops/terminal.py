@@ -18,6 +18,7 @@ tiny-target build, any remote stream the transport shows).
 from __future__ import annotations
 
 import re
+import sys
 
 # Bidirectional overrides and isolates reorder what is shown ("Trojan source"); line and
 # paragraph separators break lines on some terminals. Not controls, but shown the same way.
@@ -101,3 +102,40 @@ def console(**options):
     options.setdefault("emoji", False)
     options.setdefault("highlight", False)
     return Console(**options)
+
+
+class LineSink:
+    """A file-like `out_stream` for the transport: hands each complete line of remote output to `line`.
+
+    pty output ends lines with CR LF and progress bars redraw with CR: both are dropped. A line is
+    kept in pieces until its end comes and joined once: linear in its length (appending to one string
+    and splitting it again at every read was quadratic, 281 s for a 16 MiB line).
+    """
+
+    out = None
+
+    def write(self, data: str) -> int:
+        pieces = self.__dict__.setdefault("_pieces", [])
+        *complete, rest = data.replace("\r", "").split("\n")
+        if complete:
+            pieces.append(complete[0])
+            complete[0] = "".join(pieces)
+            pieces.clear()
+            for line in complete:
+                self.line(line)
+        if rest:
+            pieces.append(rest)
+        return len(data)
+
+    def flush(self) -> None:
+        (self.out or sys.stdout).flush()
+
+    def close(self) -> None:
+        pieces = self.__dict__.setdefault("_pieces", [])
+        if pieces:
+            partial = "".join(pieces)
+            pieces.clear()
+            self.line(partial)
+
+    def line(self, line: str) -> None:
+        raise NotImplementedError

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import functools
 import hashlib
+import json
 import logging
 import os
 import re
@@ -489,23 +490,6 @@ class HostSession:
                                   f"{host_path}: {str(exc) or type(exc).__name__}; nothing was changed in a "
                                   f"container, run the task again") from None
 
-    def get_bytes(self, host_path: str) -> bytes:
-        import paramiko
-
-        if self.dry_run:
-            self.echo(f"# sftp get {host_path}")
-            return b""
-        try:
-            sftp = self.connect().sftp()
-            self.round_trips += 1
-            with sftp.open(host_path, "rb") as fh:
-                fh.prefetch()
-                return fh.read()
-        except (OSError, EOFError, paramiko.SSHException) as exc:
-            self._conn = None
-            raise HostUnreachable(f"connection to {self.host.name} lost while reading {host_path}: "
-                                  f"{str(exc) or type(exc).__name__}") from None
-
     def iter_file(self, host_path: str, *, block: int = 1 << 20,
                   stall_timeout: float = 60.0) -> Iterator[bytes]:
         """A host file's bytes as they come (`cat` on its own channel): memory stays bounded by the SSH
@@ -546,6 +530,11 @@ class HostSession:
                                   f"{str(exc) or type(exc).__name__}") from None
 
     # --- host keys --------------------------------------------------------------------------------
+    def key_pinned(self, key: paramiko.PKey) -> bool:
+        """Whether the host's known_hosts file (read now) still pins `key` (a master asks before each
+        command it serves)."""
+        return host_key_pinned(self.host, key)
+
     def offered_host_key(self) -> paramiko.PKey:
         """The key the host presents, fetched without trusting or saving it (through the jump host's
         connection when this session has one open)."""
@@ -596,3 +585,21 @@ def pin_host_key(host: Host, key: paramiko.PKey) -> str:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     keys.save(path)
     return path
+
+
+# --- a shared connection's master (mux.start_master runs `python -m dflash_ops.transport SPEC`) -----
+def master_main(spec_text: str) -> int:
+    """A master for one host: mux serves the socket, this module makes its verified connection."""
+    spec = json.loads(spec_text)
+    if not isinstance(spec, dict):
+        return 1
+    host = Host(**spec["host"])
+    jump = Host(**spec["jump"]) if spec["jump"] else None
+    return mux.serve(spec, HostSession(host, jump=jump, share=False))
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(master_main(sys.stdin.read(mux.SPEC_MAX + 1)))
+    except Exception:  # noqa: BLE001 - nobody reads a master's errors; the next task connects itself
+        sys.exit(1)

@@ -103,8 +103,8 @@ def test_status_watch_redraws_in_place_and_shows_failed_refreshes(trained):
 
     from rich.console import Console
 
-    from dflash_ops import watch
     from dflash_ops.inventory import load_inventory
+    from dflash_ops.oncall import watch
     from dflash_ops.target import Target
     from dflash_ops.transport import HostSession
 

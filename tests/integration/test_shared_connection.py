@@ -52,7 +52,7 @@ def master_pids(path: Path) -> list[int]:
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"dflash_ops.mux" in cmdline and control in environ:
+        if mux.MASTER_MODULE.encode() in cmdline and control in environ:
             found.append(int(pid))
     return found
 
@@ -243,7 +243,7 @@ def test_the_masters_argv_shows_nothing_of_the_host(shared):
     for private in (ct.host.address, ct.host.key, ct.host.known_hosts, f'"user": "{ct.host.user}"',
                     f'"port": {ct.host.port}', str(path)):
         assert private.encode() not in shown, (private, shown)
-    assert shown.endswith(b"-m dflash_ops.mux "), shown
+    assert shown.endswith(f"-m {mux.MASTER_MODULE} ".encode()), shown
 
 
 def keygen(path: Path) -> tuple[str, str]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash_ops import jobs
+from dflash_ops import launch, runs
 from dflash_ops.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -107,7 +107,7 @@ def test_secrets_are_masked_in_the_dry_run_and_the_recorded_environment(tmp_path
     from dflash_ops.inventory import load_inventory
 
     ct = load_inventory(str(inventory)).container(200)
-    argv, _ = jobs.launch_argv(ct, "r1")
+    argv, _ = launch.launch_argv(ct, "r1")
     payload = json.loads(argv[-1])  # python -c LOADER SCRIPT launch PAYLOAD
     launch_json, env_text = payload["launch"], payload["env"]
     assert json.loads(launch_json)["run"] == "r1"
@@ -129,7 +129,7 @@ def test_two_different_ct_values_are_an_error(inventory):
                          ["../x", "a;b", "$(id)", "a\nb", "x" * 65, ".hidden", "-rf", "a b", "", "a/b"])
 def test_hostile_run_names_are_refused(name):
     with pytest.raises(UsageError, match="a run name is 1-64 characters"):
-        jobs.validate_run_name(name)
+        runs.validate_run_name(name)
 
 
 def test_hostile_run_name_through_the_cli(inventory):
@@ -139,8 +139,8 @@ def test_hostile_run_name_through_the_cli(inventory):
 
 def test_good_run_names_and_the_default():
     for name in ("tiny", "run-1.2_b", "A" * 64, "20260101-120000"):
-        assert jobs.validate_run_name(name) == name
-    assert len(jobs.default_run_name()) == len("20260101-120000")
+        assert runs.validate_run_name(name) == name
+    assert len(runs.default_run_name()) == len("20260101-120000")
 
 
 @pytest.mark.parametrize("value", ["noequals", "a;b=1", "=1", "a..b=1", "$(id)=1"])

@@ -256,7 +256,7 @@ def test_cache_cleaner_refuses_while_the_runs_lock_is_held_and_force_overrides(t
     args = {"caches": {"inductor": str(cache), "triton": str(tmp_path / "none")},
             "runs": str(runs)}
     holder = open(runs / ".lock", "w")
-    fcntl.flock(holder, fcntl.LOCK_EX)  # what a live run's processes hold (jobs.py)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # what a live run's processes hold (launch.py)
     try:
         assert container_runs.alive_run(args["runs"]) == "run-1"
         answer = container_runs.clean_caches(args)

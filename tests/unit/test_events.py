@@ -2,8 +2,8 @@
 
 import pytest
 
-from dflash_ops import events
 from dflash_ops.errors import UsageError
+from dflash_ops.oncall import events
 from dflash_ops.status import RunStatus
 
 STALLED_FINDING = {"key": "stalled-run", "title": "no new log line or metric", "runbook":

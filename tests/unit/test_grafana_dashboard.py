@@ -4,7 +4,7 @@ import json
 import re
 from pathlib import Path
 
-from dflash_ops import prometheus
+from dflash_ops.oncall import prometheus
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "docs/grafana/dflash-runs.json"
 DATASOURCE = {"type": dict, "required": {"type": str, "uid": str}}

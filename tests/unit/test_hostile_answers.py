@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rich.console import Console
 
-from dflash_ops import facts, jobs, metrics, status
+from dflash_ops import facts, launch, metrics, status
 from dflash_ops.errors import DflashOpsError
 from dflash_ops.inventory import parse_inventory
 
@@ -103,7 +103,7 @@ CT = parse_inventory({"hosts": {"pve1": {"address": "pve1.example"}},
 @given(st.dictionaries(st.sampled_from(["error", "message", "run", "check", "fix", "outcome"]), values))
 def test_refusals_become_one_line_errors(answer):
     try:
-        jobs.refused(CT, answer, "launch")
+        launch.refused(CT, answer, "launch")
     except DflashOpsError as exc:
         one_line(exc)
         assert "\x1b" not in str(exc)
@@ -112,10 +112,10 @@ def test_refusals_become_one_line_errors(answer):
 @SETTINGS
 @given(st.lists(st.one_of(st.text(), values.map(json.dumps), deep), max_size=6))
 def test_the_launch_watch_takes_lines_and_a_verdict_from_anything(raw):
-    watch = jobs.LaunchWatch("r", "pve1/200", 10, console=Console(file=open("/dev/null", "w")))
+    watch = launch.LaunchWatch("r", "pve1/200", 10, console=Console(file=open("/dev/null", "w")))
     watch.write("\n".join(raw) + "\n")
     assert all(isinstance(line, str) for line in watch.lines) and isinstance(watch.verdict, dict)
-    assert isinstance(jobs.refusal(raw[:1]), dict)
+    assert isinstance(launch.refusal(raw[:1]), dict)
 
 
 @SETTINGS

@@ -8,7 +8,7 @@ import sys
 import pytest
 from recorded_answers import metrics_answer, status_answer
 
-from dflash_ops import evaluate, facts, fetch, metrics
+from dflash_ops import evaluate, facts, fetch, metrics, payload
 from dflash_ops.errors import RemoteCommandFailed, UsageError
 from dflash_ops.inventory import parse_inventory
 
@@ -155,23 +155,24 @@ def test_regenerate_argv_defaults_pair_inputs_with_outputs(inv):
 
 def test_result_lines_are_parsed_and_hidden_from_the_person():
     shown = []
-    stream = evaluate._ShowLines(shown.append)
+    stream = payload.ShowLines(shown.append)
     stream.write("eval: 2 prompts\nRESULT {\"a\"")
     stream.write(": 1}\nLoading weights: 100%\ndone\n")
     assert shown == ["eval: 2 prompts", "done"]
-    assert evaluate.results_of('x\nRESULT {"a": 1}\nRESULT {"b": 2}\n') == [{"a": 1}, {"b": 2}]
+    assert payload.results_of('x\nRESULT {"a": 1}\nRESULT {"b": 2}\n') == [{"a": 1}, {"b": 2}]
     # A line the script did not mean as a result (a file name with a line break, before the fix in
     # chat_formats.shown) is one error line, not a traceback.
     for junk in ('RESULT {"rows": 1', "RESULT [1]", "RESULT " + "[" * 100_000):
         with pytest.raises(RemoteCommandFailed, match="^unreadable result line from the container: RESULT "):
-            evaluate.results_of(f"read x\n{junk}.jsonl: dflash rows\nRESULT {{}}\n")
+            payload.results_of(f"read x\n{junk}.jsonl: dflash rows\nRESULT {{}}\n")
 
 
 def test_a_scripts_own_error_line_is_left_to_the_tasks_error():
     shown = []
-    stream = evaluate._ShowLines(shown.append, evaluate.SCRIPT_ERRORS)
-    stream.write("a warning\nregenerate_data: error: x.jsonl: empty file\neval_dflash: error: no prompts\n")
-    assert evaluate.SCRIPT_ERRORS == ("eval_dflash: error: ", "regenerate_data: error: ")
+    own = payload.script_error(["/venv/bin/python", "/root/dflash/eval_dflash.py", "--run-dir=/r"])
+    assert own == "eval_dflash: error: "
+    stream = payload.ShowLines(shown.append, (own,))
+    stream.write("a warning\neval_dflash: error: no prompts\n")
     assert shown == ["a warning"]
 
 

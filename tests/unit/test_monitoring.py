@@ -6,9 +6,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from recorded_answers import status_answer
 
-from dflash_ops import monitoring, prometheus
 from dflash_ops.errors import UsageError
-from dflash_ops.monitoring import CRITICAL, OK, UNKNOWN, WARNING, Thresholds
+from dflash_ops.oncall import monitoring, prometheus
+from dflash_ops.oncall.monitoring import CRITICAL, OK, UNKNOWN, WARNING, Thresholds
 from dflash_ops.status import Gpu, RunStatus, parse_status
 
 GIB = 1 << 30

@@ -4,7 +4,7 @@ import copy
 
 import pytest
 
-from dflash_ops import jobs, multinode
+from dflash_ops import launch
 from dflash_ops.errors import InventoryError, UsageError
 from dflash_ops.inventory import parse_inventory
 
@@ -28,7 +28,7 @@ def inventory(**edits):
 def test_rdzv_address_is_optional_and_defaults_to_the_host_address():
     inv = inventory()
     assert inv.containers[200].rdzv_address is None
-    assert [multinode.node_address(c) for c in inv.select(group="pair")] == ["pve1.example", "127.0.0.2"]
+    assert [launch.node_address(c) for c in inv.select(group="pair")] == ["pve1.example", "127.0.0.2"]
     assert inventory(ct200={"rdzv_address": "[::1]"}).containers[200].rdzv_address == "[::1]"
 
 
@@ -46,7 +46,7 @@ def test_bad_rdzv_address_is_refused_with_file_key_and_reason(value, reason):
 
 def test_torchrun_options_per_node():
     nodes = inventory().select(group="pair")
-    first, second = (multinode.launcher_args(c, nodes, "r1", 29500) for c in nodes)
+    first, second = (launch.launcher_args(c, nodes, "r1", 29500) for c in nodes)
     common = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", "--rdzv-endpoint=pve1.example:29500",
               "--rdzv-id=r1"]
     assert first == ["/root/dflash/distributed.py", *common, "--rdzv-conf=is_host=1",
@@ -59,20 +59,20 @@ def test_torchrun_options_per_node():
 
 def test_the_launcher_runs_the_training_script_with_its_usual_argv():
     nodes = inventory().select(group="pair")
-    _, plain = jobs.launch_argv(nodes[0], "r1")
-    _, multi = jobs.launch_argv(nodes[0], "r1",
-                                launcher=multinode.launcher_args(nodes[0], nodes, "r1", 29500))
+    _, plain = launch.launch_argv(nodes[0], "r1")
+    _, multi = launch.launch_argv(nodes[0], "r1",
+                                launcher=launch.launcher_args(nodes[0], nodes, "r1", 29500))
     assert multi[0] == plain[0] and multi[1] == "/root/dflash/distributed.py"
     assert multi[-len(plain) + 1:] == plain[1:]  # train_dflash.py and every option unchanged
 
 
 def test_groups_torch_distributed_cannot_run_are_refused():
     with pytest.raises(UsageError, match="at least two containers"):
-        multinode.check_group(inventory().select("200"))
+        launch.check_group(inventory().select("200"))
     uneven = inventory(ct201={"roles": {"target": [0], "drafter": [1]}}).select(group="pair")
     with pytest.raises(UsageError, match="same number of drafter devices .* pve1/200: 2, pve2/201: 1"):
-        multinode.check_group(uneven)
+        launch.check_group(uneven)
     shared = inventory(ct201={"rdzv_address": None, "host": "pve1"}).select(group="pair")
     with pytest.raises(UsageError,
                        match="pve1/200 and pve1/201 would both be reached at pve1.example: .*rdzv_address"):
-        multinode.check_group(shared)
+        launch.check_group(shared)

@@ -7,8 +7,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from dflash_ops import notify
 from dflash_ops.errors import UsageError
+from dflash_ops.oncall import notify
 
 
 class Receiver:

@@ -18,7 +18,7 @@ import yaml
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from dflash_ops import commands, jobs
+from dflash_ops import commands, launch
 from dflash_ops.inventory import load_inventory
 from dflash_ops.transport import HostSession
 
@@ -81,7 +81,7 @@ def test_dry_run_of_every_task_that_sends_the_env_shows_no_secret_value(tmp_path
 def test_recorded_environment_and_launch_record_are_masked_but_the_line_carries_the_value(tmp_path):
     env = {f"S{i}_TOKEN": v for i, v in enumerate(SECRET_VALUES)}
     ct = load_inventory(str(inventory_with(tmp_path, env))).containers[200]
-    argv, _ = jobs.launch_argv(ct, "r1", sets=["data.assistant_header=plain"])
+    argv, _ = launch.launch_argv(ct, "r1", sets=["data.assistant_header=plain"])
     payload = json.loads(argv[-1])  # python -c LOADER SCRIPT launch PAYLOAD
     env_text, launch_json = payload["env"], payload["launch"]
     for name, value in env.items():

@@ -5,7 +5,7 @@ import io
 
 import pytest
 
-from dflash_ops import signatures
+from dflash_ops import runs
 from dflash_ops.logs import LogPrinter
 
 # Lines as torch, NCCL and the OS print them (the first is the incident's).
@@ -46,26 +46,26 @@ ORDINARY = [
 
 @pytest.mark.parametrize("key,line", KNOWN)
 def test_known_failures_point_at_their_runbook(key, line):
-    sig = signatures.match(line)
+    sig = runs.match(line)
     assert sig is not None and sig.key == key
     assert sig.runbook == f"docs/runbooks/{key}.md"
 
 
 @pytest.mark.parametrize("line", ORDINARY)
 def test_ordinary_lines_match_nothing(line):
-    assert signatures.match(line) is None
+    assert runs.match(line) is None
 
 
 def test_runbook_pages_are_the_agreed_names():
-    pages = {s.page for s in signatures.SIGNATURES} | {signatures.STALLED.page, signatures.CONTAINER.page,
-                                                        signatures.HOST_KEY.page}
+    pages = {s.page for s in runs.SIGNATURES} | {runs.STALLED.page, runs.CONTAINER.page,
+                                                        runs.HOST_KEY.page}
     assert pages == {"compile-race.md", "cuda-oom.md", "nccl.md", "stalled-run.md", "slow-compile.md",
                      "container.md", "venv-torch.md", "disk-full.md", "ssh-host-key.md"}
 
 
 def test_scan_reports_each_signature_once_with_its_last_line_in_table_order():
     lines = [KNOWN[1][1], ORDINARY[0], KNOWN[0][1], KNOWN[2][1]]
-    found = signatures.scan(lines)
+    found = runs.scan(lines)
     assert [(s.key, line) for s, line in found] == [("compile-race", KNOWN[0][1]), ("cuda-oom", KNOWN[2][1])]
 
 
@@ -90,7 +90,8 @@ def test_log_printer_highlights_and_names_the_runbook():
 
 
 def test_warmup_failure_says_its_last_error_line_and_the_runbook_and_progress_per_drafter():
-    from dflash_ops.jobs import WarmupProgress, why_it_failed
+    from dflash_ops.launch import WarmupProgress
+    from dflash_ops.runs import why_it_failed
 
     out = io.StringIO()
     progress = WarmupProgress(["cuda:5", "cuda:6"], out=out)
@@ -109,4 +110,4 @@ def test_warmup_failure_says_its_last_error_line_and_the_runbook_and_progress_pe
     assert why_it_failed(progress.lines) == ("warmup_compile: error: warm-up failed: RuntimeError: "
                                              "Detected that you; torch.compile FX-tracing race between "
                                              "drafter threads: read docs/runbooks/compile-race.md")
-    assert [s.key for s, _ in signatures.scan(progress.lines)] == ["compile-race"]
+    assert [s.key for s, _ in runs.scan(progress.lines)] == ["compile-race"]

@@ -1,9 +1,9 @@
-"""How streamed remote output is cut into lines and kept: jobs.LineSink and mux.OutputTail."""
+"""How streamed remote output is cut into lines and kept: terminal.LineSink and mux.OutputTail."""
 
-from dflash_ops import jobs, mux
+from dflash_ops import mux, terminal
 
 
-class Lines(jobs.LineSink):
+class Lines(terminal.LineSink):
     def __init__(self):
         self.got = []
 

@@ -88,9 +88,9 @@ def test_rich_renders_exactly_the_visible_text(data):
 
 
 def test_eval_lines_and_results_are_shown_visibly():
-    from dflash_ops import evaluate
+    from dflash_ops import payload
 
     shown = []
-    stream = evaluate._ShowLines(shown.append)
+    stream = payload.ShowLines(shown.append)
     stream.write("loading /root/runs/r\x1b]0;TITLE\x07/config.yaml\nRESULT {}\n[/] done\n")
     assert shown == ["loading /root/runs/r^[]0;TITLE^G/config.yaml", "[/] done"]

@@ -13,10 +13,11 @@ from __future__ import annotations
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-from . import events, monitoring, notify, prometheus, signatures
-from . import status as status_mod
-from .errors import ConnectError, ContainerError, DflashOpsError, RunStateError, UsageError
-from .terminal import visible
+from .. import runs
+from .. import status as status_mod
+from ..errors import ConnectError, ContainerError, DflashOpsError, RunStateError, UsageError
+from ..terminal import visible
+from . import events, monitoring, notify, prometheus
 
 
 def collect(targets, run, stall_after) -> list[tuple]:
@@ -48,7 +49,7 @@ def collect(targets, run, stall_after) -> list[tuple]:
 def _verdict(t, st, error, th) -> monitoring.Verdict:
     label = t.container.label
     if isinstance(error, ContainerError):  # the container is down: no run can be going on in it
-        return monitoring.Verdict(monitoring.CRITICAL, label, f"{error}; read {signatures.CONTAINER.runbook}")
+        return monitoring.Verdict(monitoring.CRITICAL, label, f"{error}; read {runs.CONTAINER.runbook}")
     if error is not None:
         return monitoring.unknown(label, str(error))
     return monitoring.verdict(st, label, th)

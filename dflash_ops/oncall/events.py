@@ -20,10 +20,10 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 
-from . import signatures
-from . import status as status_mod
-from .errors import ConnectError, ContainerError, RemoteCommandFailed, UsageError
-from .jobs import validate_run_name
+from .. import runs
+from .. import status as status_mod
+from ..errors import ConnectError, ContainerError, RemoteCommandFailed, UsageError
+from ..runs import validate_run_name
 from .monitoring import Thresholds
 
 ENDED = ("crashed", "finished", "stopped")
@@ -56,7 +56,7 @@ def _progress(st) -> str:
 
 def _ending(st) -> tuple[str, str | None]:
     if st.state == "crashed":
-        pages = [f["runbook"] for f in st.findings if f["key"] != signatures.STALLED.key]
+        pages = [f["runbook"] for f in st.findings if f["key"] != runs.STALLED.key]
         page = pages[0] if pages else CRASH_PAGE
         return f"crashed: {st.detail}; read {page}", page
     return f"{st.state} ({st.detail})", None
@@ -73,7 +73,7 @@ def changes(before, now, hang_after: float) -> list[tuple[str, str, str | None]]
             kind = {None: "watching", "stalled": "recovered"}.get(was, "started")
             out.append((kind, f"running{suffix}" if kind != "recovered" else f"logging again{suffix}", None))
         elif now.state == "stalled":
-            out.append(("stalled", f"stalled{suffix}: {now.detail}", signatures.STALLED.runbook))
+            out.append(("stalled", f"stalled{suffix}: {now.detail}", runs.STALLED.runbook))
         elif now.state in ENDED:
             text, page = _ending(now)
             out.append((now.state, text + (f"; last {progress}" if progress else ""), page))
@@ -85,10 +85,10 @@ def changes(before, now, hang_after: float) -> list[tuple[str, str, str | None]]
     hung_before = before is not None and before.state == "stalled" and (before.idle_s or 0) >= hang_after
     if hung_now and not hung_before:
         out.append(("hung", f"no new log line or metric for {now.idle_s} s (hang threshold {hang_after:g} s)",
-                    signatures.STALLED.runbook))
+                    runs.STALLED.runbook))
     seen = {f["key"] for f in (before.findings if before is not None else [])}
     for f in now.findings:
-        if f["key"] not in seen and f["key"] != signatures.STALLED.key:
+        if f["key"] not in seen and f["key"] != runs.STALLED.key:
             out.append(("signature", f"{f['title']} in the log: {f['line'][:300]}", f["runbook"]))
     if before is not None:
         if now.eval_step is not None and now.eval_step != before.eval_step:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from . import signatures
-from .errors import UsageError
-from .status import DEFAULT_STALL_AFTER, RunStatus
+from .. import runs
+from ..errors import UsageError
+from ..status import DEFAULT_STALL_AFTER, RunStatus
 
 OK, WARNING, CRITICAL, UNKNOWN = 0, 1, 2, 3
 NAMES = {OK: "OK", WARNING: "WARNING", CRITICAL: "CRITICAL", UNKNOWN: "UNKNOWN"}
@@ -73,7 +73,7 @@ def verdict(st: RunStatus, label: str, th: Thresholds = Thresholds()) -> Verdict
         code = CRITICAL if hung else WARNING
         why = (f"no new log line or metric for {st.idle_s} s (hang threshold {th.hang_after:g} s)" if hung
                else st.detail)
-        parts.append(f"{run} {'hung' if hung else 'stalled'}: {why}; read {signatures.STALLED.runbook}")
+        parts.append(f"{run} {'hung' if hung else 'stalled'}: {why}; read {runs.STALLED.runbook}")
     elif st.state == "crashed":
         code = CRITICAL
         parts.append(f"{run} crashed: {st.detail}")
@@ -85,7 +85,7 @@ def verdict(st: RunStatus, label: str, th: Thresholds = Thresholds()) -> Verdict
     else:
         parts.append(run)
     for f in st.findings:
-        if f["key"] != signatures.STALLED.key:
+        if f["key"] != runs.STALLED.key:
             code = max(code, CRITICAL, key=SEVERITY.get)
             parts.append(f"{f['title']} in the log: read {f['runbook']}")
     for what, free, least in (("runs dir", st.free_runs, th.min_free_runs),

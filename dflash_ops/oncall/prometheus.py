@@ -13,7 +13,7 @@ import math
 import os
 import tempfile
 
-from .status import RunStatus
+from ..status import RunStatus
 
 STATES = ("running", "stalled", "finished", "crashed", "stopped", "missing", "none")
 

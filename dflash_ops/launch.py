@@ -1,4 +1,4 @@
-"""Training runs in the container: the run directory, launch, stop and the "is a run alive" fact.
+"""Training runs in the container: launch (one node or many), the wait for the first step, warm-up, stop.
 
 A run lives in `<paths.runs>/<name>/`:
 
@@ -36,14 +36,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from . import commands, facts, signatures, terminal
-from .errors import PreflightFailed, RemoteCommandFailed, RunStateError, UsageError
+from . import commands, facts, fanout, terminal
+from .errors import FanOutFailed, PreflightFailed, RemoteCommandFailed, RunStateError, UsageError
 from .inventory import SECRET_NAME, Container
+from .payload import config_path, inventory_sets, payload_argv
+from .runs import default_run_name, describe_exit, run_dir, shown_name, validate_run_name, why_it_failed
+from .target import Target
 
-RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-SET_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
-LOCK = ".lock"
-CURRENT = ".current"
 MANIFEST = ".dflash-manifest.json"  # written by deploy into paths.code
 TRAIN_SCRIPT = "train_dflash.py"
 WARMUP_SCRIPT_NAME = "warmup_compile.py"
@@ -55,85 +54,10 @@ DEFAULT_WAIT_S = 900  # `train` waits this long for the first step (a cold 27B s
 
 # --- pure parts ------------------------------------------------------------------------------------
 
-def validate_run_name(name: str) -> str:
-    """A run name becomes a directory: letters, digits, '.', '_', '-', at most 64, no leading dot."""
-    if not isinstance(name, str) or not RUN_NAME.match(name) or name.endswith("\n"):
-        shown = repr(name)[:80]
-        raise UsageError(f"--run {shown}: a run name is 1-64 characters of letters, digits, '.', '_' "
-                         f"or '-', starting with a letter or digit")
-    return name
-
-
-def default_run_name(now: _dt.datetime | None = None) -> str:
-    return (now or _dt.datetime.now(_dt.timezone.utc)).strftime("%Y%m%d-%H%M%S")
-
-
-def validate_sets(values: Sequence[str] | None) -> list[str]:
-    """`--set key=value`: the key is a dotted config name; the value is passed literally."""
-    out = []
-    for value in values or ():
-        key, sep, _ = str(value).partition("=")
-        if not sep or not SET_KEY.match(key):
-            raise UsageError(f"--set {str(value)[:60]!r}: expected key=value with a dotted key, e.g. "
-                             "train.lr=1e-4")
-        if not commands.is_utf8(str(value)):
-            raise UsageError(f"--set {str(value)[:60]!r}: the value is not valid UTF-8")
-        out.append(value)  # NUL is refused by the command builder
-    return out
-
-
-def config_path(ct: Container, config: str | None) -> str:
-    """--config is a path in the container, relative to paths.code (default: the inventory's)."""
-    config = config or ct.train_config
-    if not config or "\n" in config or config.startswith("-") or not commands.is_utf8(config):
-        raise UsageError(f"--config {config!r}: expected a config path such as configs/tiny-cpu.yaml")
-    return config if config.startswith("/") else f"{ct.paths.code}/{config}"
-
-
-def inventory_sets(ct: Container) -> list[str]:
-    """What the inventory decides for every run: where the target is, the shared compile cache."""
-    sets = [f"target.path={json.dumps(ct.paths.model)}",
-            f"compile.cache_dir={json.dumps(ct.paths.caches.inductor)}"]
-    if ct.paths.data:
-        sets.append(f"data.train={json.dumps(ct.paths.data)}")
-    return sets
-
-
-def payload_argv(ct: Container, script: str, config: str | None = None, sets: Sequence[str] = (),
-                 run_dir: str | None = None, max_steps: int | None = None) -> list[str]:
-    """The argv of train_dflash.py / warmup_compile.py: same config, sets and devices for both.
-
-    Options are written `--opt=value` so a value starting with '-' is never read as an option.
-    """
-    argv = [ct.venv_python, f"{ct.paths.code}/{script}", f"--config={config_path(ct, config)}"]
-    argv += [f"--set={s}" for s in inventory_sets(ct) + validate_sets(sets)]
-    for role in ("target", "drafter"):
-        devices = ct.roles.devices(role)
-        if devices:
-            argv.append(f"--{role}-devices={devices}")
-    if run_dir is not None:
-        argv.append(f"--run-dir={run_dir}")
-    if max_steps is not None:
-        if int(max_steps) < 1:
-            raise UsageError(f"--max-steps {max_steps}: must be >= 1")
-        argv.append(f"--max-steps={int(max_steps)}")
-    return argv
-
-
 def masked_env_text(ct: Container, env: dict[str, str]) -> str:
     def secret(name):
         return name in ct.secret_env or SECRET_NAME.search(name)
     return "\n".join(f"{k}={commands.MASK if secret(k) and v else v}" for k, v in sorted(env.items()))
-
-
-def run_dir(ct: Container, name: str) -> str:
-    return f"{ct.paths.runs}/{validate_run_name(name)}"
-
-
-def lock_path(ct: Container) -> str:
-    """The runs lock: held by every process of the alive run. A cleaner may `flock -n` it
-    to exclude launches."""
-    return f"{ct.paths.runs}/{LOCK}"
 
 
 @dataclass
@@ -170,18 +94,13 @@ class Launch:
         return f"run {self.run}: pid {self.pid}, code {self.code_version}"
 
 
-def _shown_name(value) -> str:
-    """A run name from the container, for a message: itself when valid, else '?'."""
-    return value if isinstance(value, str) and RUN_NAME.match(value) else "?"
-
-
 def launch_argv(ct: Container, name: str, config: str | None = None, sets: Sequence[str] = (),
                 max_steps: int | None = None, settle: float = LAUNCH_SETTLE_S,
                 now: _dt.datetime | None = None, launcher: Sequence[str] = ()) -> tuple[list[str], list[str]]:
     """(container argv of the `launch` verb, training argv). Pure.
 
     `launcher`: a script and its options that the python runs instead, the training script's
-    argv after them (multi-node training's torchrun: multinode.launcher_args)."""
+    argv after them (multi-node training's torchrun: launcher_args)."""
     directory = run_dir(ct, name)
     train = payload_argv(ct, TRAIN_SCRIPT, config, sets, run_dir=directory, max_steps=max_steps)
     preflight = [ct.venv_python, f"{ct.paths.code}/{PREFLIGHT_SCRIPT}", *train[2:]]
@@ -243,7 +162,7 @@ def refused(ct: Container, answer: dict, what: str) -> None:
     if kind == "busy-warmup":
         raise RunStateError(f"a warm-up is running on {ct.label}; start the run when it has finished")
     if kind == "busy":
-        alive = _shown_name(answer.get("run"))
+        alive = shown_name(answer.get("run"))
         raise RunStateError(f"run {alive!r} is alive on {ct.label}: follow it with `invoke logs --follow`, "
                             f"or stop it with `invoke stop --run {alive}` before starting another")
     if kind == "no-run":
@@ -286,22 +205,6 @@ class Stop:
         return f"{run} stopped ({how}, exit code: {code}); no process left"
 
 
-def resolve_run(t, run: str | None) -> str:
-    """--run, or the container's latest run (one round trip only when --run is not given)."""
-    if run is not None:
-        return validate_run_name(run)
-    ct = t.container
-    if t.dry_run:
-        t.session.exec(ct, ["cat", f"{ct.paths.runs}/{CURRENT}"], check=False)
-        return "LATEST"
-    r = t.session.exec(ct, ["cat", f"{ct.paths.runs}/{CURRENT}"], check=False)
-    name = r.stdout.strip()
-    if r.exited != 0 or not name:
-        raise RunStateError(f"no run yet on {ct.label} (nothing under {ct.paths.runs}); start one with "
-                            "`invoke train`")
-    return validate_run_name(name)
-
-
 def stop(t, run: str | None = None, grace: float = 30) -> Stop:
     """SIGTERM the run's process group, SIGKILL after `grace` s, confirm nothing is left, record it.
 
@@ -317,7 +220,7 @@ def stop(t, run: str | None = None, grace: float = 30) -> Stop:
     if t.dry_run:
         return Stop(name or "(latest)", "dry-run")
     answer = facts.parse_json_line(result.stdout, f"{ct.label}: stop")
-    shown = _shown_name(answer.get("run") or name)
+    shown = shown_name(answer.get("run") or name)
     if answer.get("error") == "unproven":
         raise RunStateError(f"run {shown} on {ct.label}: not signalled: "
                             f"{terminal.visible(str(answer.get('message')))[:300]}; look with "
@@ -359,8 +262,8 @@ class LaunchWatch:
 
     def _text(self, last: str) -> str:
         waited = time.monotonic() - self.started
-        return (f"waiting for run {self.run} on {self.label} to log its first training step "
-                f"(a `step N/M |` line in train.log; {waited:.0f} s of {self.timeout:g} s)"
+        return (f"waiting for run {self.run} on {self.label} to take its first step "
+                f"({waited:.0f} s of {self.timeout:g} s)"
                 + (f": {terminal.markup(last[:80])}" if last else ""))
 
     # a file-like out_stream for the transport
@@ -391,20 +294,8 @@ class LaunchWatch:
                 self.status.update(self._text(line))
 
 
-def why_it_failed(lines: list[str], nothing: str = "(no output)") -> str:
-    """A failed process's output -> `<its last error line>; <the runbook>`, visible, on one line."""
-    from .status import last_error_line
-
-    last = last_error_line(lines) or nothing
-    found = signatures.scan(lines)
-    hint = signatures.advice(found[-1][0]) if found else "read docs/runbooks/README.md"
-    return f"{terminal.visible(last)[:300]}; {hint}"
-
-
 def crashed(run: str, label: str, exit_code, lines: list[str]) -> RemoteCommandFailed:
     """A run that died before its first step: one line with its last error line and the runbook."""
-    from .status import describe_exit
-
     code = terminal.visible(exit_code)[:40] if isinstance(exit_code, str) else None
     return RemoteCommandFailed(f"run {run} on {label} crashed ({describe_exit(code)}): "
                                f"{why_it_failed(lines, '(the log has no line since the launch)')}")
@@ -450,44 +341,7 @@ def warmup_argv(ct: Container, config: str | None = None, sets: Sequence[str] = 
 SHAPE_DONE = re.compile(r"compile warm-up: shape \('(?P<kind>\w+)', (?P<worker>\d+)\) took (?P<s>[\d.]+) s")
 
 
-class LineSink:
-    """A file-like `out_stream` for the transport: hands each complete line of remote output to `line`.
-
-    pty output ends lines with CR LF and progress bars redraw with CR: both are dropped. A line is
-    kept in pieces until its end comes and joined once: linear in its length (appending to one string
-    and splitting it again at every read was quadratic, 281 s for a 16 MiB line).
-    """
-
-    out = None
-
-    def write(self, data: str) -> int:
-        pieces = self.__dict__.setdefault("_pieces", [])
-        *complete, rest = data.replace("\r", "").split("\n")
-        if complete:
-            pieces.append(complete[0])
-            complete[0] = "".join(pieces)
-            pieces.clear()
-            for line in complete:
-                self.line(line)
-        if rest:
-            pieces.append(rest)
-        return len(data)
-
-    def flush(self) -> None:
-        (self.out or sys.stdout).flush()
-
-    def close(self) -> None:
-        pieces = self.__dict__.setdefault("_pieces", [])
-        if pieces:
-            partial = "".join(pieces)
-            pieces.clear()
-            self.line(partial)
-
-    def line(self, line: str) -> None:
-        raise NotImplementedError
-
-
-class WarmupProgress(LineSink):
+class WarmupProgress(terminal.LineSink):
     """Streams the warm-up's output and adds one progress line per device as its shapes complete."""
 
     def __init__(self, devices: list, out=None):
@@ -532,7 +386,7 @@ def warmup(t, config: str | None = None, sets: Sequence[str] = (), out=None) -> 
         raise KeyboardInterrupt
     answer = refusal(progress.lines)
     if answer.get("error") == "busy":
-        raise RunStateError(f"run {_shown_name(answer.get('run'))} is alive on {ct.label}: warm up before "
+        raise RunStateError(f"run {shown_name(answer.get('run'))} is alive on {ct.label}: warm up before "
                             f"starting a run, or stop it with `invoke stop`")
     refused(ct, answer, "warm-up")
     progress.close()
@@ -540,3 +394,84 @@ def warmup(t, config: str | None = None, sets: Sequence[str] = (), out=None) -> 
     raise RemoteCommandFailed(f"warm-up failed on {ct.label} (exit {result.exited}): "
                               f"{why_it_failed(progress.lines)}",
                               exited=result.exited)
+
+
+# --- one run over many nodes ------------------------------------------------------------------------
+# Multi-node training (`invoke train --group NAME`): every container of the group starts the same
+# run (same name, same config) under `torchrun`, through `remote_scripts/distributed.py`, which the
+# container's run wrapper starts like any training script. Rendezvous: elastic, c10d backend, its
+# store on the first container's node (`rdzv_address`, else its host's address) at `--rdzv-port`.
+# torch.distributed does the rest (remote_scripts/distributed.py); no scheduler of our own.
+
+DEFAULT_RDZV_PORT = 29400
+LAUNCHER = "distributed.py"  # in paths.code: runs torch.distributed.run (torchrun) in-process
+
+
+def node_address(ct: Container) -> str:
+    """The address other nodes reach this container at (rendezvous store, process group)."""
+    return ct.rdzv_address or ct.host.address
+
+
+def launcher_args(ct: Container, nodes: Sequence[Container], run: str, port: int) -> list[str]:
+    """What goes between the container's python and train_dflash.py: torchrun's options. Pure.
+
+    The first container of the group hosts the rendezvous store (is_host) on its node's address;
+    every node says which address it is reached at (--local-addr), so nothing depends on the
+    containers' host names resolving.
+    """
+    first = nodes[0]
+    endpoint = f"{node_address(first)}:{int(port)}"
+    return [f"{ct.paths.code}/{LAUNCHER}", f"--nnodes={len(nodes)}", "--nproc-per-node=1",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run}",
+            f"--rdzv-conf=is_host={'1' if ct.ctid == first.ctid else '0'}",
+            f"--local-addr={node_address(ct)}", "--max-restarts=0", "--monitor-interval=1"]
+
+
+def check_group(nodes: Sequence[Container]) -> None:
+    """Refuse layouts torch.distributed cannot run: one node, two nodes at one address, or unequal
+    drafter worker counts.
+
+    Two nodes at one address: the rendezvous tells nodes apart by (address, pid), and the launchers
+    of two fresh containers often have the same pid in their own pid namespaces; they would be taken
+    for one node and the rendezvous would wait forever.
+    """
+    if len(nodes) < 2:
+        raise UsageError("multi-node training needs at least two containers (--group NAME or --ct 200,201)")
+    seen: dict[str, str] = {}
+    for ct in nodes:
+        other = seen.setdefault(node_address(ct), ct.label)
+        if other != ct.label:
+            raise UsageError(f"{other} and {ct.label} would both be reached at {node_address(ct)}: give each "
+                             f"container its own address in the inventory (rdzv_address)")
+    counts = {ct.label: len([d for d in ct.roles.devices("drafter").split(",") if d]) for ct in nodes}
+    if len(set(counts.values())) != 1:
+        shown = ", ".join(f"{label}: {n}" for label, n in counts.items())
+        raise UsageError(f"every node needs the same number of drafter devices (roles.drafter); got {shown}")
+
+
+def launch_group(targets: list[Target], run: str | None, config, sets, max_steps,
+                 port: int = DEFAULT_RDZV_PORT) -> str:
+    """Start one run on every target under torchrun; stop those started if any launch fails."""
+    nodes = [t.container for t in targets]
+    check_group(nodes)
+    if not 1 <= int(port) <= 65535:
+        raise UsageError(f"--rdzv-port {port}: must be 1..65535")
+    name = validate_run_name(run) if run is not None else default_run_name()
+    started = []
+
+    def start(t):
+        launched = launch(t, name, config, sets, max_steps,
+                               launcher=launcher_args(t.container, nodes, name, port))
+        started.append(t)
+        return launched.row()
+
+    try:
+        fanout.for_each(targets, start, title=f"train {name}: {len(nodes)} nodes, rendezvous "
+                                              f"{node_address(nodes[0])}:{int(port)}")
+    except FanOutFailed:
+        if started and not targets[0].dry_run:
+            print(f"stopping the {len(started)} node(s) that started, so none waits for the others")
+            for t in started:
+                stop(t, name, 0)
+        raise
+    return name

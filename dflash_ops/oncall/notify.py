@@ -27,8 +27,8 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
-from .errors import UsageError
-from .terminal import visible
+from ..errors import UsageError
+from ..terminal import visible
 
 _STOP = object()
 

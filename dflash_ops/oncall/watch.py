@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import time
 
-from . import jobs, terminal
-from . import status as status_mod
-from .errors import DflashOpsError
+from .. import runs, terminal
+from .. import status as status_mod
+from ..errors import DflashOpsError
 
 
 def _view(st, label: str, width: int):
@@ -33,7 +33,7 @@ def watch(t, run: str | None = None, stall_after: float = status_mod.DEFAULT_STA
     from rich.text import Text
 
     if run is not None:
-        jobs.validate_run_name(run)  # a usage error fails at once, not once per refresh
+        runs.validate_run_name(run)  # a usage error fails at once, not once per refresh
     console = console or Console()
     label = t.container.label
     body, good, count = Text("gathering the first facts..."), 0, 0

@@ -1,0 +1,141 @@
+"""The payload's scripts (remote_scripts/) as the tasks start them.
+
+- argv builders: `payload_argv` gives train_dflash.py, warmup_compile.py and plan_layout.py the same
+  config, --set values (the inventory's first) and device lists, written `--opt=value`;
+- `run_script`: a script in the foreground with the run environment, its progress streamed (visibly),
+  its own one-line error (`<script>: error: ...`) kept for the task's error, and its `RESULT <json>`
+  lines parsed (`invoke eval`, `regenerate`, `plan`). One round trip.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import re
+import sys
+from collections.abc import Sequence
+
+from . import commands, terminal
+from .errors import RemoteCommandFailed, UsageError
+from .inventory import Container
+
+SET_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+RESULT = "RESULT "
+
+
+# --- argv builders (pure) --------------------------------------------------------------------------
+
+def validate_sets(values: Sequence[str] | None) -> list[str]:
+    """`--set key=value`: the key is a dotted config name; the value is passed literally."""
+    out = []
+    for value in values or ():
+        key, sep, _ = str(value).partition("=")
+        if not sep or not SET_KEY.match(key):
+            raise UsageError(f"--set {str(value)[:60]!r}: expected key=value with a dotted key, e.g. "
+                             "train.lr=1e-4")
+        if not commands.is_utf8(str(value)):
+            raise UsageError(f"--set {str(value)[:60]!r}: the value is not valid UTF-8")
+        out.append(value)  # NUL is refused by the command builder
+    return out
+
+
+def config_path(ct: Container, config: str | None) -> str:
+    """--config is a path in the container, relative to paths.code (default: the inventory's)."""
+    config = config or ct.train_config
+    if not config or "\n" in config or config.startswith("-") or not commands.is_utf8(config):
+        raise UsageError(f"--config {config!r}: expected a config path such as configs/tiny-cpu.yaml")
+    return config if config.startswith("/") else f"{ct.paths.code}/{config}"
+
+
+def inventory_sets(ct: Container) -> list[str]:
+    """What the inventory decides for every run: where the target is, the shared compile cache."""
+    sets = [f"target.path={json.dumps(ct.paths.model)}",
+            f"compile.cache_dir={json.dumps(ct.paths.caches.inductor)}"]
+    if ct.paths.data:
+        sets.append(f"data.train={json.dumps(ct.paths.data)}")
+    return sets
+
+
+def payload_argv(ct: Container, script: str, config: str | None = None, sets: Sequence[str] = (),
+                 run_dir: str | None = None, max_steps: int | None = None) -> list[str]:
+    """The argv of train_dflash.py / warmup_compile.py / plan_layout.py: same config, sets and devices.
+
+    Options are written `--opt=value` so a value starting with '-' is never read as an option.
+    """
+    argv = [ct.venv_python, f"{ct.paths.code}/{script}", f"--config={config_path(ct, config)}"]
+    argv += [f"--set={s}" for s in inventory_sets(ct) + validate_sets(sets)]
+    for role in ("target", "drafter"):
+        devices = ct.roles.devices(role)
+        if devices:
+            argv.append(f"--{role}-devices={devices}")
+    if run_dir is not None:
+        argv.append(f"--run-dir={run_dir}")
+    if max_steps is not None:
+        if int(max_steps) < 1:
+            raise UsageError(f"--max-steps {max_steps}: must be >= 1")
+        argv.append(f"--max-steps={int(max_steps)}")
+    return argv
+
+
+# --- running one in the foreground ------------------------------------------------------------------
+
+def results_of(stdout: str) -> list[dict]:
+    """The JSON object of every `RESULT ` line (a script prints one per result). Lines are split on
+    `\n` only, as the script writes them; a RESULT line that is not a JSON object is one error line."""
+    found = []
+    for line in stdout.split("\n"):
+        if not line.startswith(RESULT):
+            continue
+        try:
+            value = json.loads(line[len(RESULT):])
+        except (ValueError, RecursionError):
+            value = None
+        if not isinstance(value, dict):
+            raise RemoteCommandFailed(f"unreadable result line from the container: "
+                                      f"{terminal.visible(line)[:200]}")
+        found.append(value)
+    return found
+
+
+def script_error(argv: Sequence[str]) -> str:
+    """The prefix of the script's own one-line error: `eval_dflash: error: ` for .../eval_dflash.py."""
+    return f"{posixpath.splitext(posixpath.basename(argv[1]))[0]}: error: "
+
+
+class ShowLines(terminal.LineSink):
+    """A stream that prints what the script says, except the machine-readable RESULT lines, the
+    weight-loading progress bars and lines starting with one of `hide`."""
+
+    def __init__(self, echo=print, hide: tuple[str, ...] = ()):
+        self._echo, self._hide = echo, hide
+
+    def line(self, line: str) -> None:
+        if not line.startswith((RESULT, *self._hide)) and "Loading weights" not in line:
+            self._echo(terminal.visible(line))
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def run_script(t, argv: list[str], what: str, echo=print, ok: tuple[int, ...] = (0,)):
+    """Run `argv` (a payload script) in the container; (result, [RESULT records]).
+
+    An exit code outside `ok`, or no RESULT line, is RemoteCommandFailed naming the script's own
+    error line (its stderr's last line otherwise), with the fix when the code or venv is missing."""
+    ct = t.container
+    own_error = script_error(argv)
+    result = t.session.exec(ct, argv, env=ct.run_env(), cwd=ct.paths.code, check=False,
+                            out_stream=ShowLines(echo), err_stream=ShowLines(_to_stderr, (own_error,)))
+    if t.dry_run:
+        return result, []
+    found = results_of(result.stdout)
+    if result.exited not in ok or not found:
+        said = result.stderr.strip().splitlines() or ["(no output)"]
+        last = next((line for line in reversed(said) if line.startswith(own_error)), said[-1])
+        hint = " (run `invoke deploy` first?)" if "No such file" in result.stderr else ""
+        if "No module named" in result.stderr:
+            hint = " (the container's venv predates remote_scripts/requirements.txt: run `invoke deploy`)"
+        raise RemoteCommandFailed(f"{ct.label}: {what} failed (exit {result.exited}): {last}{hint}",
+                                  exited=result.exited, stderr_tail=last)
+    return result, found

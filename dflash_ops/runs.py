@@ -1,0 +1,162 @@
+"""A training run's vocabulary, shared by every module that names one: its name, its directory and
+lock, how it ended (the exit description, the last error line) and the known failure signatures in
+its output, each pointing at the runbook on-call should read. Pure: no connection, no output.
+
+`logs` highlights lines that match a signature, `status` and `warmup` name the runbook when a run's
+last lines match. Runbooks live in docs/runbooks/<page>. The run directory's files are listed in
+launch.py.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import re
+import signal as _signal
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from . import terminal
+from .errors import UsageError
+
+RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+LOCK = ".lock"
+CURRENT = ".current"
+
+
+# --- names and paths ---------------------------------------------------------------------------------
+
+def validate_run_name(name: str) -> str:
+    """A run name becomes a directory: letters, digits, '.', '_', '-', at most 64, no leading dot."""
+    if not isinstance(name, str) or not RUN_NAME.match(name) or name.endswith("\n"):
+        shown = repr(name)[:80]
+        raise UsageError(f"--run {shown}: a run name is 1-64 characters of letters, digits, '.', '_' "
+                         f"or '-', starting with a letter or digit")
+    return name
+
+
+def default_run_name(now: _dt.datetime | None = None) -> str:
+    return (now or _dt.datetime.now(_dt.timezone.utc)).strftime("%Y%m%d-%H%M%S")
+
+
+def shown_name(value) -> str:
+    """A run name from the container, for a message: itself when valid, else '?'."""
+    return value if isinstance(value, str) and RUN_NAME.match(value) else "?"
+
+
+def run_dir(ct, name: str) -> str:
+    return f"{ct.paths.runs}/{validate_run_name(name)}"
+
+
+def lock_path(ct) -> str:
+    """The runs lock: held by every process of the alive run. A cleaner may `flock -n` it
+    to exclude launches."""
+    return f"{ct.paths.runs}/{LOCK}"
+
+
+def current_path(ct) -> str:
+    """The file naming the run that last took the lock."""
+    return f"{ct.paths.runs}/{CURRENT}"
+
+
+# --- how a run ended ---------------------------------------------------------------------------------
+
+def describe_exit(code: str | None) -> str:
+    """`signal 9` -> `killed by signal 9 (SIGKILL)`; `3` -> `exit 3`."""
+    if code is None:
+        return "no exit code recorded (its wrapper was killed too, or the container restarted)"
+    if code.startswith("signal "):
+        parts = code.split()
+        num = int(parts[1]) if len(parts) > 1 and re.fullmatch(r"-?\d{1,19}", parts[1]) else None
+        try:
+            name = _signal.Signals(num).name
+        except (TypeError, ValueError):
+            name = "?"
+        return f"killed by signal {num} ({name})"
+    return f"exit {code}"
+
+
+WRAPPER_LINE = re.compile(r"^dflash-ops: (launch |training process \d+ ended)")
+ERROR_LINE = re.compile(r"error|exception|killed|fatal|denied|no space|not found", re.I)
+
+
+def last_error_line(lines: list[str]) -> str | None:
+    """The line that says why a run died: the last one that reads like an error, else the last one."""
+    own = [ln for ln in lines if ln.strip() and not WRAPPER_LINE.match(ln)]
+    errors = [ln for ln in own if ERROR_LINE.search(ln)]
+    return (errors or own or [None])[-1]
+
+
+def why_it_failed(lines: list[str], nothing: str = "(no output)") -> str:
+    """A failed process's output -> `<its last error line>; <the runbook>`, visible, on one line."""
+    last = last_error_line(lines) or nothing
+    found = scan(lines)
+    hint = advice(found[-1][0]) if found else "read docs/runbooks/README.md"
+    return f"{terminal.visible(last)[:300]}; {hint}"
+
+
+# --- known failure signatures ------------------------------------------------------------------------
+
+RUNBOOK_DIR = "docs/runbooks"
+
+
+@dataclass(frozen=True)
+class Signature:
+    key: str
+    title: str
+    page: str
+    pattern: re.Pattern
+
+    @property
+    def runbook(self) -> str:
+        return f"{RUNBOOK_DIR}/{self.page}"
+
+
+def _sig(key, title, page, *patterns) -> Signature:
+    return Signature(key, title, page, re.compile("|".join(f"(?:{p})" for p in patterns)))
+
+
+SIGNATURES: tuple[Signature, ...] = (
+    # The multi-threaded first-compile race (see the warm-up incident): dynamo's global FX flag.
+    _sig("compile-race", "torch.compile FX-tracing race between drafter threads", "compile-race.md",
+         r"Detected that you are using FX to symbolically trace a dynamo-optimized function"),
+    _sig("cuda-oom", "CUDA out of memory", "cuda-oom.md",
+         r"CUDA out of memory", r"torch\.(?:cuda\.)?OutOfMemoryError", r"CUBLAS_STATUS_ALLOC_FAILED"),
+    _sig("nccl", "NCCL error", "nccl.md",
+         r"NCCL error", r"\bnccl(?:InternalError|SystemError|UnhandledCudaError|RemoteError|InvalidUsage)\b",
+         r"ProcessGroupNCCL.*(?:[Tt]imeout|Watchdog caught)", r"NCCL WARN"),
+    _sig("disk-full", "disk full", "disk-full.md",
+         r"No space left on device", r"\[Errno 28\]"),
+    _sig("venv-torch", "broken venv or torch/CUDA mismatch", "venv-torch.md",
+         r"ModuleNotFoundError: No module named '(?:torch|transformers|safetensors|yaml)'",
+         r"CUDA driver version is insufficient", r"Found no NVIDIA driver",
+         r"undefined symbol: .*(?:torch|cuda|c10)", r"libcudart\.so.*cannot open shared object file"),
+    _sig("slow-compile", "compile stuck or recompiling", "slow-compile.md",
+         r"torch\._dynamo hit config\.(?:recompile|cache_size)_limit", r"compile fallback\(s\)"),
+)
+
+# States reported by `status` that have their own runbook (not log lines).
+STALLED = _sig("stalled-run", "no new log line or metric", "stalled-run.md", r"(?!x)x")
+CONTAINER = _sig("container", "container stopped or missing", "container.md", r"(?!x)x")
+HOST_KEY = _sig("ssh-host-key", "SSH host key unknown or changed", "ssh-host-key.md", r"(?!x)x")
+
+
+def match(line: str) -> Signature | None:
+    """The first known signature a line shows, or None."""
+    for sig in SIGNATURES:
+        if sig.pattern.search(line):
+            return sig
+    return None
+
+
+def scan(lines: Iterable[str]) -> list[tuple[Signature, str]]:
+    """Each signature found in `lines` once, with the last line that showed it, in table order."""
+    found: dict[str, tuple[Signature, str]] = {}
+    for line in lines:
+        sig = match(line)
+        if sig is not None:
+            found[sig.key] = (sig, line)
+    return [found[s.key] for s in SIGNATURES if s.key in found]
+
+
+def advice(sig: Signature) -> str:
+    return f"{sig.title}: read {sig.runbook}"

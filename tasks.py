@@ -1,13 +1,14 @@
 """dflash-ops tasks: `invoke --list` shows them, `invoke --help TASK` explains one.
 
-Glue only: parse flags, call one library function. No shell strings here. A task whose first
-parameter is `t` gets the container it works on as a Target (`cli.op_task`), and returns what it
-found (shown with `describe()`); `fan_out=` says what several containers (--group, --ct 200,201) mean.
+Glue only: parse flags, call one library function, return its result. No shell strings and no
+output here: `cli.show` prints what a task returns (`describe()`; `row()` in a fan-out). A task whose
+first parameter is `t` gets the container it works on as a Target (`cli.op_task`); `fan_out=` says
+what several containers (--group, --ct 200,201) mean.
 """
 
 from invoke import Collection
 
-from dflash_ops import cli, terminal
+from dflash_ops import cli
 from dflash_ops.cli import ROWS, op_task
 from dflash_ops.errors import UsageError
 
@@ -28,17 +29,7 @@ def trust_host(c, host, fingerprint=None, inventory=None):
     inv = load_inventory(cli.inventory_path(c, inventory))
     if host not in inv.hosts:
         raise UsageError(f"no host {host!r} in {inv.path} (known: {', '.join(sorted(inv.hosts))})")
-    h = inv.hosts[host]
-    key = transport.HostSession(h).offered_host_key()
-    offered = transport.fingerprint(key)
-    print(f"{h.name} ({h.address}:{h.port}) offers {key.get_name()} {offered}")
-    if fingerprint is None:
-        print(f"not pinned: re-run with --fingerprint {offered} once you have checked it on the host")
-        return
-    if fingerprint.strip() != offered:
-        raise UsageError(f"fingerprint mismatch: you gave {fingerprint}, the host offers {offered}; "
-                         "nothing pinned")
-    print(f"pinned in {transport.pin_host_key(h, key)}")
+    return transport.trust_host(inv.hosts[host], fingerprint)
 
 
 @op_task(help={"host": "host name from the inventory (default: every host in it)"})
@@ -54,9 +45,8 @@ def disconnect(c, host=None, inventory=None):
     inv = load_inventory(cli.inventory_path(c, inventory))
     if host is not None and host not in inv.hosts:
         raise UsageError(f"no host {host!r} in {inv.path} (known: {', '.join(sorted(inv.hosts))})")
-    for h in [inv.hosts[host]] if host else inv.hosts.values():
-        closed = mux.stop(mux.socket_path(h, inv.hosts[h.jump] if h.jump else None))
-        print(f"{h.name}: {'closed' if closed else 'no shared connection'}")
+    return mux.disconnect((h, inv.hosts[h.jump] if h.jump else None)
+                          for h in ([inv.hosts[host]] if host else inv.hosts.values()))
 
 
 # --- the embedded host ----------------------------------------------------------------------------
@@ -72,7 +62,7 @@ def sandbox_up(c, containers="200", hosts=1, tiny_fit_steps=0):
         ids = tuple(int(x) for x in str(containers).split(",") if x.strip())
     except ValueError:
         raise UsageError(f"--containers {containers!r}: give ids such as 200 or 200,201") from None
-    _report(sandbox.up(containers=ids, hosts=int(hosts), tiny_fit_steps=int(tiny_fit_steps)))
+    return cli.Changed(sandbox.up(containers=ids, hosts=int(hosts), tiny_fit_steps=int(tiny_fit_steps)))
 
 
 @op_task
@@ -80,7 +70,7 @@ def sandbox_down(c):
     """Stop the embedded host: every container, every sshd; nothing is left running."""
     from dflash_ops import sandbox
 
-    _report(sandbox.down())
+    return cli.Changed(sandbox.down())
 
 
 @op_task
@@ -88,13 +78,7 @@ def sandbox_status(c):
     """Show the embedded host's sshd and containers."""
     from dflash_ops import sandbox
 
-    print(sandbox.status().describe())
-
-
-def _report(result) -> None:
-    for change in result.changed or ("nothing to do: already as asked",):
-        print(change)
-    print(result.describe())
+    return sandbox.status()
 
 
 # --- deploy, doctor, compile caches ---------------------------------------------------------------
@@ -143,7 +127,7 @@ def _train_nodes(targets, run=None, config=None, set=None, max_steps=None, rdzv_
     """Several containers: one run over all of them (multi-node training)."""
     from dflash_ops import launch
 
-    launch.launch_group(targets, run, config, set or (), max_steps, port=rdzv_port)
+    return launch.launch_group(targets, run, config, set or (), max_steps, port=rdzv_port)
 
 
 @op_task(iterable=["set"], help={
@@ -214,22 +198,17 @@ def _status_one(t, run=None, json=False, stall_after=600, dry_run=False, watch=F
 
     if watch and not (json or dry_run):
         from dflash_ops.oncall import watch as watch_mod
-        watch_mod.watch(t, run, float(stall_after), float(interval))
-        return
+        watch_mod.watch(t, run, float(stall_after), float(interval))  # a live view: it draws itself
+        return None
     st = status_mod.gather(t, run, float(stall_after))
-    if st is None:
-        return
-    if json:
-        print(st.to_json())
-    else:
-        status_mod.render(st, t.container.label)
+    return None if st is None else status_mod.View(st, t.container.label, as_json=bool(json))
 
 
 def _status_rows(targets, run=None, json=False, stall_after=600, **_):
     """Several containers: one compact row each; --json: {container: facts} on stdout."""
     from dflash_ops import status as status_mod
 
-    status_mod.fan_out(targets, run, stall_after, json)
+    return status_mod.fan_out(targets, run, stall_after, json)
 
 
 @op_task(optional=["prometheus"], help={
@@ -261,8 +240,6 @@ def status(c, run=None, json=False, stall_after=600, ct=None, group=None, invent
     verdict comes first, then one line per container.
     """
     if check:
-        from invoke import Exit
-
         from dflash_ops.oncall import alerting, monitoring
 
         def thresholds_and_targets():
@@ -271,19 +248,14 @@ def status(c, run=None, json=False, stall_after=600, ct=None, group=None, invent
                                           monitoring.parse_size(min_free_shm, "--min-free-shm")),
                     cli.targets(c, ct, group, inventory, dry_run))
 
-        code = alerting.check(thresholds_and_targets, run)
-        if code:
-            raise Exit(code=code)
-        return
+        return alerting.check(thresholds_and_targets, run)
     if prometheus is not None:
         from dflash_ops.oncall import alerting
 
-        written = alerting.export_metrics(cli.targets(c, ct, group, inventory, dry_run), run,
-                                          float(stall_after), None if prometheus is True else prometheus)
-        if written:
-            print(f"wrote {written}")
-        return
-    # monitoring (above) takes every selected container as it is; the view fans out like any task
+        return alerting.export_metrics(cli.targets(c, ct, group, inventory, dry_run), run,
+                                       float(stall_after), None if prometheus is True else prometheus)
+    # monitoring (above) takes every selected container as it is (a bad inventory is UNKNOWN too);
+    # the view fans out like any task
     cli.on_targets(_status_one, fan_out=_status_rows)(
         c, run=run, json=json, stall_after=stall_after, ct=ct, group=group, inventory=inventory,
         dry_run=dry_run, watch=watch, interval=interval)
@@ -335,20 +307,10 @@ def list_runs(t, json=False, stall_after=600, ct=None, inventory=None, dry_run=F
     One round trip: a helper in the container reads every run directory under paths.runs (newest
     first) and sums its size on disk.
     """
-    import json as json_mod
-
-    from dflash_ops import history, terminal
+    from dflash_ops import history
 
     answer = history.list_runs(t, float(stall_after))
-    if answer is None:
-        return
-    if json:
-        print(json_mod.dumps(answer, indent=2))
-    else:
-        console = terminal.console()
-        if not console.is_terminal:  # a pipe or a file: no terminal width to fit, keep rows on one line
-            console = terminal.console(width=120)
-        console.print(history.table(answer, t.container.label))
+    return None if answer is None else history.Listing(answer, t.container.label, as_json=bool(json))
 
 
 @op_task(help={"keep": "keep this many of the newest runs (at least 1; the alive run is always kept)",
@@ -367,8 +329,7 @@ def prune(t, keep=None, older_than=None, yes=False, ct=None, inventory=None, dry
     if keep is None:
         raise UsageError("--keep N: how many of the newest runs to keep (at least 1)")
     answer = history.prune(t, keep, older_than, act=yes)
-    if answer is not None:
-        print(history.describe_prune(answer, t.container.label, acted=yes))
+    return None if answer is None else history.Pruned(answer, t.container.label, acted=bool(yes))
 
 
 @op_task(fan_out=ROWS)
@@ -421,10 +382,8 @@ def eval_run(t, run, checkpoint="latest", prompts=None, num_prompts=None, max_ne
     """
     from dflash_ops import evaluate
 
-    record = evaluate.evaluate(t, run, checkpoint=checkpoint, prompts=prompts, num_prompts=num_prompts,
-                               max_new_tokens=max_new_tokens, device=device)
-    if record is not None:
-        print(terminal.visible(evaluate.describe(record), newlines=True))
+    return evaluate.evaluate(t, run, checkpoint=checkpoint, prompts=prompts, num_prompts=num_prompts,
+                             max_new_tokens=max_new_tokens, device=device)
 
 
 @op_task(iterable=["set"], help={
@@ -444,7 +403,7 @@ def plan(t, write=None, config=None, set=None, ct=None, inventory=None, dry_run=
     """
     from dflash_ops import plan as plan_mod
 
-    plan_mod.plan(t, config, set or (), write)
+    return plan_mod.plan(t, config, set or (), write)
 
 
 @op_task(iterable=["src"], help={
@@ -469,9 +428,8 @@ def regenerate(t, src=None, out_dir=None, max_new_tokens=None, limit=None, batch
     """
     from dflash_ops import evaluate
 
-    for stats in evaluate.regenerate(t, sources=src or (), out_dir=out_dir, max_new_tokens=max_new_tokens,
-                                     limit=limit, batch_size=batch_size, device=device, target=target):
-        print(terminal.visible(evaluate.describe_regeneration(stats), newlines=True))
+    return evaluate.regenerate(t, sources=src or (), out_dir=out_dir, max_new_tokens=max_new_tokens,
+                               limit=limit, batch_size=batch_size, device=device, target=target)
 
 
 @op_task(help={"run": "run name (default: the latest run)",
@@ -486,15 +444,7 @@ def metrics(t, run=None, plot=None, n=20, ct=None, inventory=None, dry_run=False
     """
     from dflash_ops import metrics as metrics_mod
 
-    m = metrics_mod.fetch(t, run)
-    if m is None:
-        return
-    terminal.console().print(metrics_mod.table(m, int(n)))
-    summary = metrics_mod.eval_summary(m)
-    if summary:
-        print(terminal.visible(summary, newlines=True))
-    if plot:
-        print(f"plot: {metrics_mod.plot(m, plot)}")
+    return metrics_mod.show(t, run, int(n), plot)
 
 
 @op_task(help={"run": "run name", "to": "local directory (DIR/config.json, DIR/model.safetensors)",
@@ -512,11 +462,7 @@ def fetch(t, run, to, checkpoint="latest", force=False, with_state=False, timeou
     """
     from dflash_ops import fetch as fetch_mod
 
-    fetched = fetch_mod.fetch(t, run, to, checkpoint, bool(force),
-                              bool(with_state), timeout=timeout)
-    if fetched is not None:
-        print(f"{fetched.to}: {len(fetched.files)} files from {terminal.visible(fetched.checkpoint)}, "
-              f"{fetched.total_bytes / 2**20:.1f} MiB, sha256 verified")
+    return fetch_mod.fetch(t, run, to, checkpoint, bool(force), bool(with_state), timeout=timeout)
 
 
 sandbox_ns = Collection("sandbox")

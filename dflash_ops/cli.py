@@ -88,31 +88,59 @@ def targets(c, ct=None, group=None, inventory=None, dry_run=False) -> list[Targe
 
 
 def show(result) -> None:
-    """Print what one container's task returned (its `describe()`: text or a rich renderable), then
-    raise its `error` if it has one (doctor: the table first, then exit 1)."""
+    """THE output of a task: print what it returned, then raise its `error` if it has one (doctor:
+    the table first, then exit 1; a fan-out: the rows, then exit 8).
+
+    `describe()` is text (shown visibly: results quote the container) or a rich renderable; an
+    `aside()` (a fan-out's table beside `status --json`'s JSON) goes to stderr first. A result may
+    carry `exit_with` (status --check: the monitoring-plugin code) instead of an error.
+    """
     if result is None:
         return
-    text = result.describe()
-    if isinstance(text, str):
-        if text:
-            print(terminal.visible(text, newlines=True))  # results quote the container
-    elif text is not None:
-        console = terminal.console()
-        if not console.is_terminal:  # logs and pipes: one line per row, not wrapped at 80 columns
-            console = terminal.console(width=240)
-        console.print(text)
+    aside = getattr(result, "aside", None)
+    if aside is not None:
+        _print(aside(), stderr=True)
+    _print(result.describe(), width=getattr(result, "pipe_width", 240))
     error = getattr(result, "error", None)
     if error is not None:
         raise error
+    code = getattr(result, "exit_with", 0)
+    if code:
+        raise Exit(code=code)
+
+
+class Changed:
+    """A result that did something (sandbox up/down): one line per change, then the result."""
+
+    def __init__(self, result):
+        self.result = result
+
+    def describe(self) -> str:
+        changes = self.result.changed or ("nothing to do: already as asked",)
+        return "\n".join([*changes, self.result.describe()])
+
+    def row(self) -> str:
+        return "; ".join(self.result.changed) or "nothing to do"
+
+
+def _print(text, stderr: bool = False, width: int = 240) -> None:
+    if isinstance(text, str):
+        if text:
+            print(terminal.visible(text, newlines=True), file=sys.stderr if stderr else sys.stdout)
+    elif text is not None:
+        console = terminal.console(stderr=stderr)
+        if not console.is_terminal:  # logs and pipes: one line per row, not wrapped at 80 columns
+            console = terminal.console(stderr=stderr, width=width)
+        console.print(text)
 
 
 def on_targets(fn, fan_out):
-    """The task body `fn(t, **options)` run on the containers --ct/--group select.
+    """The task body `fn(t, **options)` run on the containers --ct/--group select, its result shown.
 
     One container (no --group): the body's result is shown (`describe()`), nothing in a dry run.
     Several: `fan_out` decides, once for every task: None refuses, ROWS runs the body on each
-    (hosts in parallel) and shows one row per container (`row()`), a function takes the targets
-    and the options (train: one run over many nodes).
+    (`fanout.run`: hosts in parallel) and shows one row per container (`row()`), a function takes the
+    targets and the options and returns the result to show (train: one run over many nodes).
     """
     @functools.wraps(fn)
     def run(c, **options):
@@ -127,16 +155,26 @@ def on_targets(fn, fan_out):
         if fan_out is None:
             raise UsageError("this task works on one container; give a single --ct")
         if fan_out is not ROWS:
-            fan_out(chosen, **options)
+            show(fan_out(chosen, **options))
             return
 
         def row(t):
             result = fn(t, **options)
-            return "dry run" if dry_run or result is None else result.row()
+            return "dry run" if dry_run or result is None else result
 
-        fanout.for_each(chosen, row, title=fn.__name__.replace("_", "-"))
+        show(fanout.Rows(fn.__name__.replace("_", "-"), fanout.run(chosen, row)))
 
     return run
+
+
+def shows(fn):
+    """A task body that takes Invoke's context: what it returns is shown (`show`)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        show(fn(*args, **kwargs))
+
+    return wrapper
 
 
 def reports_errors(fn):
@@ -247,7 +285,7 @@ def op_task(*args, help=None, fan_out=None, **kwargs):
         params = inspect.signature(fn).parameters
         merged = {k: v for k, v in COMMON_HELP.items() if k in params}
         merged.update(help or {})
-        body = on_targets(fn, fan_out) if next(iter(params), None) == "t" else fn
+        body = on_targets(fn, fan_out) if next(iter(params), None) == "t" else shows(fn)
         return invoke.task(reports_errors(requires_values(parse_numbers(body))), help=merged, klass=OpTask,
                            positional=[], **kwargs)
 

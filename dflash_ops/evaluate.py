@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import posixpath
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from . import payload, runs
 from .errors import DflashOpsError, ExitStatus, UsageError
@@ -78,12 +79,24 @@ def regenerate_argv(ct: Container, sources: Sequence[str] = (), out_dir: str | N
     return argv, outputs
 
 
-def evaluate(t, run: str, echo=print, **options) -> dict | None:
-    """Run eval_dflash.py on run `run`; returns its record (None in a dry run).
+@dataclass
+class Evaluation:
+    """One evaluation's record; `error` is NotLossless when speculative decoding changed an output
+    (the numbers are shown first)."""
 
-    Raises NotLossless (after the numbers are shown by the caller's `describe`) when speculative
-    decoding changed the output.
-    """
+    record: dict
+    error: NotLossless | None = None
+
+    def describe(self) -> str:
+        return describe(self.record)
+
+    def row(self) -> str:
+        return (f"acceptance {self.record['acceptance_length']:.2f}, speedup {self.record['speedup']:.2f}x, "
+                + ("lossless" if self.error is None else "NOT LOSSLESS"))
+
+
+def evaluate(t, run: str, echo=print, **options) -> Evaluation | None:
+    """Run eval_dflash.py on run `run`; returns its Evaluation (None in a dry run)."""
     run = runs.validate_run_name(run)
     result, found = payload.run_script(t, eval_argv(t.container, run, **options), "evaluation", echo,
                                        ok=(0, EXIT_NOT_LOSSLESS))
@@ -91,18 +104,31 @@ def evaluate(t, run: str, echo=print, **options) -> dict | None:
         return None
     record = found[-1]
     if result.exited == EXIT_NOT_LOSSLESS or not record.get("lossless"):
-        echo(describe(record))
-        raise NotLossless(f"run {run}: speculative output differs from plain greedy decoding on prompts "
-                          f"{record.get('mismatched_prompts')}; check that the drafter was trained "
-                          f"against this target (config.json's dflash_config, the target's dtype)")
-    return record
+        return Evaluation(record, NotLossless(
+            f"run {run}: speculative output differs from plain greedy decoding on prompts "
+            f"{record.get('mismatched_prompts')}; check that the drafter was trained "
+            f"against this target (config.json's dflash_config, the target's dtype)"))
+    return Evaluation(record)
 
 
-def regenerate(t, echo=print, **options) -> list[dict]:
-    """Run regenerate_data.py in the container; returns one stats dict per output file."""
+@dataclass
+class Regenerated:
+    """regenerate_data.py's stats, one dict per output file."""
+
+    files: list
+
+    def describe(self) -> str:
+        return "\n".join(describe_regeneration(stats) for stats in self.files)
+
+    def row(self) -> str:
+        return ", ".join(f"{stats['out']}: {stats['rows']} rows" for stats in self.files)
+
+
+def regenerate(t, echo=print, **options) -> Regenerated | None:
+    """Run regenerate_data.py in the container (None in a dry run)."""
     argv, _ = regenerate_argv(t.container, **options)
     _, found = payload.run_script(t, argv, "regeneration", echo)
-    return found
+    return None if t.dry_run else Regenerated(found)
 
 
 def describe_regeneration(stats: dict) -> str:

@@ -1,6 +1,9 @@
-"""One action over several containers: hosts in parallel, one row per container, one exit code.
+"""One action over several containers: hosts in parallel, one outcome per container.
 
-A failing container or host never hides the others' rows; FanOutFailed says which failed.
+`run(targets, action)` returns what each container's action returned or raised, and prints nothing
+(as Fabric's ThreadingGroup returns a GroupResult); `Rows` is how the task layer shows them: one
+table row per container, and FanOutFailed (one exit code) if any failed. A failing container or host
+never hides the others' outcomes.
 """
 
 from __future__ import annotations
@@ -16,54 +19,85 @@ from .target import Target
 
 @dataclass
 class Outcome:
-    """One container's result in a fan-out."""
+    """One container's result in a fan-out: what its action returned, or the exception it raised."""
 
-    label: str
-    ok: bool
-    detail: str
+    target: Target
+    result: object = None
+    error: Exception | None = None
+
+    @property
+    def label(self) -> str:
+        return self.target.container.label
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def detail(self) -> str:
+        """The row's text: the error's one line, or the result's `row()` (text results as they are)."""
+        if self.error is not None:
+            if isinstance(self.error, DflashOpsError):
+                return str(self.error)
+            return f"{type(self.error).__name__}: {self.error}"
+        if self.result is None or self.result == "":
+            return "ok"
+        return self.result if isinstance(self.result, str) else self.result.row()
 
 
-def for_each(targets: list[Target], action: Callable[[Target], str | None],
-             title: str = "result") -> list[Outcome]:
-    """Run `action(target) -> row text` on every target and print one row per container.
+def run(targets: list[Target], action: Callable[[Target], object]) -> list[Outcome]:
+    """Run `action(target)` on every target; one Outcome each, in the targets' order.
 
     Hosts run in parallel (one thread and one SSH connection per host), containers of one host in
-    order; once a host cannot be reached, its remaining containers get that host's row.
+    order; once a host cannot be reached, its remaining containers get that host's error.
     """
     by_host: dict[str, list[Target]] = {}
     for t in targets:
         by_host.setdefault(t.container.host.name, []).append(t)
 
     def run_host(host_targets):
-        rows, host_down = [], None
+        outcomes, host_down = [], None
         for t in host_targets:
             if host_down is not None:
-                rows.append(Outcome(t.container.label, False, host_down))
+                outcomes.append(Outcome(t, error=host_down))
                 continue
             try:
-                rows.append(Outcome(t.container.label, True, action(t) or "ok"))
+                outcomes.append(Outcome(t, action(t)))
             except ConnectError as exc:
-                host_down = str(exc)
-                rows.append(Outcome(t.container.label, False, host_down))
-            except DflashOpsError as exc:
-                rows.append(Outcome(t.container.label, False, str(exc)))
-            except Exception as exc:  # one container's bug must not hide the other rows
-                rows.append(Outcome(t.container.label, False, f"{type(exc).__name__}: {exc}"))
-        return rows
+                host_down = exc
+                outcomes.append(Outcome(t, error=exc))
+            except Exception as exc:  # one container's failure (or bug) must not hide the others
+                outcomes.append(Outcome(t, error=exc))
+        return outcomes
 
     with ThreadPoolExecutor(max_workers=max(1, len(by_host))) as pool:
-        outcomes = [row for rows in pool.map(run_host, by_host.values()) for row in rows]
-    # rich is imported here: a one-container task (every CLI call imports this module) needs none.
-    from rich.table import Table
+        found = {id(o.target): o for outcomes in pool.map(run_host, by_host.values()) for o in outcomes}
+    return [found[id(t)] for t in targets]
 
-    table = Table(title=title)
-    for column in ("container", "ok", "detail"):
-        table.add_column(column)
-    for o in outcomes:
-        table.add_row(terminal.markup(o.label), "[green]yes[/]" if o.ok else "[red]NO[/]",
-                      terminal.markup(o.detail))
-    terminal.console().print(table)
-    failed = [o.label for o in outcomes if not o.ok]
-    if failed:
-        raise FanOutFailed(f"{len(failed)} of {len(outcomes)} containers failed: {', '.join(failed)}")
-    return outcomes
+
+@dataclass
+class Rows:
+    """Outcomes as the task layer shows them (`cli.show`): a table, one row per container, then
+    FanOutFailed naming the failed ones."""
+
+    title: str
+    outcomes: list[Outcome]
+
+    def describe(self):
+        # rich is imported here: a one-container task (every CLI call imports this module) needs none.
+        from rich.table import Table
+
+        table = Table(title=terminal.markup(self.title))
+        for column in ("container", "ok", "detail"):
+            table.add_column(column)
+        for o in self.outcomes:
+            table.add_row(terminal.markup(o.label), "[green]yes[/]" if o.ok else "[red]NO[/]",
+                          terminal.markup(o.detail))
+        return table
+
+    @property
+    def error(self) -> FanOutFailed | None:
+        failed = [o.label for o in self.outcomes if not o.ok]
+        if not failed:
+            return None
+        return FanOutFailed(f"{len(failed)} of {len(self.outcomes)} containers failed: {', '.join(failed)}")

@@ -104,6 +104,13 @@ class Fetched:
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files)
 
+    def describe(self) -> str:
+        return (f"{self.to}: {len(self.files)} files from {terminal.visible(self.checkpoint)}, "
+                f"{self.total_bytes / 2**20:.1f} MiB, sha256 verified")
+
+    def row(self) -> str:
+        return self.describe()
+
 
 def validate_checkpoint(name: str) -> str:
     if name != "latest" and not re.fullmatch(r"step-[0-9]{1,12}", name):

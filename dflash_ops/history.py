@@ -7,6 +7,7 @@ the container and are shown through terminal.markup (the rich table) or terminal
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from dataclasses import dataclass
@@ -129,3 +130,34 @@ def describe_prune(answer: dict, label: str, acted: bool) -> str:
     tail = [f"not removed (changed meanwhile or not removable): {', '.join(missed)}"] if missed else []
     return "\n".join([f"{label}: removed {len(removed)} item(s):", *lines, *tail,
                       f"freed {human_bytes(freed)} ({freed} bytes)"])
+
+
+@dataclass
+class Listing:
+    """`invoke runs`: the table (a pipe gets 120 columns, rows on one line), or the answer as JSON."""
+
+    answer: dict
+    label: str
+    as_json: bool = False
+    pipe_width = 120
+
+    def describe(self):
+        return json.dumps(self.answer, indent=2) if self.as_json else table(self.answer, self.label)
+
+    def row(self) -> str:
+        return f"{len(self.answer['runs'])} runs"
+
+
+@dataclass
+class Pruned:
+    """`invoke prune`: what would go (or went) and the bytes it frees."""
+
+    answer: dict
+    label: str
+    acted: bool
+
+    def describe(self) -> str:
+        return describe_prune(self.answer, self.label, self.acted)
+
+    def row(self) -> str:
+        return self.describe().splitlines()[0]

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from . import commands, facts, fanout, terminal
-from .errors import FanOutFailed, PreflightFailed, RemoteCommandFailed, RunStateError, UsageError
+from .errors import PreflightFailed, RemoteCommandFailed, RunStateError, UsageError
 from .inventory import SECRET_NAME, Container
 from .payload import config_path, inventory_sets, payload_argv
 from .runs import default_run_name, describe_exit, run_dir, shown_name, validate_run_name, why_it_failed
@@ -449,29 +449,46 @@ def check_group(nodes: Sequence[Container]) -> None:
         raise UsageError(f"every node needs the same number of drafter devices (roles.drafter); got {shown}")
 
 
+@dataclass
+class GroupLaunch:
+    """One run started on several nodes: a row per node; if any failed, those that started were
+    stopped (so none waits for the others) and `error` says which failed."""
+
+    rows: fanout.Rows
+    stopped: int = 0
+
+    def describe(self):
+        from rich.console import Group
+
+        table = self.rows.describe()
+        if not self.stopped:
+            return table
+        return Group(table, f"stopped the {self.stopped} node(s) that started, so none waits for the others")
+
+    @property
+    def error(self):
+        return self.rows.error
+
+
 def launch_group(targets: list[Target], run: str | None, config, sets, max_steps,
-                 port: int = DEFAULT_RDZV_PORT) -> str:
+                 port: int = DEFAULT_RDZV_PORT) -> GroupLaunch:
     """Start one run on every target under torchrun; stop those started if any launch fails."""
     nodes = [t.container for t in targets]
     check_group(nodes)
     if not 1 <= int(port) <= 65535:
         raise UsageError(f"--rdzv-port {port}: must be 1..65535")
     name = validate_run_name(run) if run is not None else default_run_name()
-    started = []
 
     def start(t):
-        launched = launch(t, name, config, sets, max_steps,
-                               launcher=launcher_args(t.container, nodes, name, port))
-        started.append(t)
-        return launched.row()
+        return launch(t, name, config, sets, max_steps,
+                      launcher=launcher_args(t.container, nodes, name, port))
 
-    try:
-        fanout.for_each(targets, start, title=f"train {name}: {len(nodes)} nodes, rendezvous "
-                                              f"{node_address(nodes[0])}:{int(port)}")
-    except FanOutFailed:
-        if started and not targets[0].dry_run:
-            print(f"stopping the {len(started)} node(s) that started, so none waits for the others")
-            for t in started:
-                stop(t, name, 0)
-        raise
-    return name
+    outcomes = fanout.run(targets, start)
+    result = GroupLaunch(fanout.Rows(f"train {name}: {len(nodes)} nodes, rendezvous "
+                                     f"{node_address(nodes[0])}:{int(port)}", outcomes))
+    started = [o.target for o in outcomes if o.ok]
+    if result.error is not None and started and not targets[0].dry_run:
+        for t in started:
+            stop(t, name, 0)
+        result.stopped = len(started)
+    return result

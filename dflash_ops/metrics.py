@@ -158,6 +158,38 @@ def eval_summary(metrics: RunMetrics) -> str | None:
             f"{fmt(last.get('speedup'), '.2f')}x, lossless {'yes' if last.get('lossless') is True else 'NO'}")
 
 
+@dataclass
+class Shown:
+    """`invoke metrics`: the table, the last dflash evaluation's line, and where the plot went."""
+
+    metrics: RunMetrics
+    n: int = 20
+    plotted: str | None = None
+
+    def describe(self):
+        from rich.console import Group
+        from rich.text import Text
+
+        parts = [table(self.metrics, self.n)]
+        summary = eval_summary(self.metrics)
+        if summary:
+            parts.append(Text(terminal.visible(summary, newlines=True)))
+        if self.plotted:
+            parts.append(Text(f"plot: {terminal.visible(self.plotted)}"))
+        return Group(*parts)
+
+    def row(self) -> str:
+        return f"run {self.metrics.run}: {len(self.metrics.train)} logged steps"
+
+
+def show(t, run: str | None = None, n: int = 20, plot_to: str | None = None) -> Shown | None:
+    """Read the run's metrics (one round trip); with `plot_to`, write the plot there too."""
+    m = fetch(t, run)
+    if m is None:
+        return None
+    return Shown(m, int(n), plot(m, plot_to) if plot_to else None)
+
+
 # --- the plot -------------------------------------------------------------------------------------
 
 def _smooth(values: list[float], points: int) -> list[float]:

@@ -45,7 +45,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ENV = "DFLASH_CONTROL_PERSIST"
@@ -246,6 +246,25 @@ def stop(path: Path) -> bool:
         return False
     finally:
         sock.close()
+
+
+@dataclass
+class Closed:
+    """`invoke disconnect`: one line per host, whether a shared connection was closed."""
+
+    closed: list  # [(host name, closed?)]
+
+    def describe(self) -> str:
+        return "\n".join(f"{name}: {'closed' if done else 'no shared connection'}"
+                         for name, done in self.closed)
+
+    def row(self) -> str:
+        return self.describe().replace("\n", "; ")
+
+
+def disconnect(hosts) -> Closed:
+    """Ask the master of each (host, jump) to leave (`stop`)."""
+    return Closed([(host.name, stop(socket_path(host, jump))) for host, jump in hosts])
 
 
 def answers(path: Path) -> bool:

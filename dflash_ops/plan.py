@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import yaml
 
+from .errors import DflashOpsError
+
 LAGGING = 0.7  # doctor warns when the configured layout expects less than this share of the best
 
 
@@ -200,8 +202,28 @@ def write_fragment(path: str, ctid: int, choice: Layout, m: Measured) -> None:
         f.write(fragment(ctid, choice, m))
 
 
-def plan(t, config: str | None = None, sets=(), write: str | None = None, echo=print) -> dict | None:
-    """Measure in the container (about a minute, progress shown), print the layouts and the best."""
+@dataclass
+class Planned:
+    """`invoke plan`: the measurement, the layouts' table, the best and the configured one."""
+
+    record: dict
+    text: str
+    best: Layout
+    written: str | None = None
+    error: Exception | None = None  # --write refused: the measurement is shown all the same
+
+    def describe(self) -> str:
+        if self.written:
+            return f"{self.text}\nwrote {self.written}: merge it into your inventory and training config"
+        return self.text
+
+    def row(self) -> str:
+        b = self.best
+        return f"best {b.target}+{b.drafters} {b.placement}, {b.expected:,.0f} tok/s"
+
+
+def plan(t, config: str | None = None, sets=(), write: str | None = None, echo=print) -> Planned | None:
+    """Measure in the container (about a minute, progress shown): the layouts and the best."""
     from . import payload
 
     ct = t.container
@@ -210,9 +232,11 @@ def plan(t, config: str | None = None, sets=(), write: str | None = None, echo=p
         return None
     record = found[-1]
     candidates, choice, text = report(ct, record)
-    echo(text)
-    if write:
-        write_fragment(write, ct.ctid, choice,
-                       measured_from(record, record.get("gpus") or len(ct.roles.gpus)))
-        echo(f"wrote {write}: merge it into your inventory and training config")
-    return record
+    if not write:
+        return Planned(record, text, choice)
+    try:
+        measured = measured_from(record, record.get("gpus") or len(ct.roles.gpus))
+        write_fragment(write, ct.ctid, choice, measured)
+    except DflashOpsError as exc:
+        return Planned(record, text, choice, error=exc)
+    return Planned(record, text, choice, write)

@@ -14,11 +14,9 @@ with the type it expects and answers with a RunStatus or one ValueError line.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import re
-import sys
 from dataclasses import asdict, dataclass, field
 
 from . import facts, fanout, runs, terminal
@@ -297,26 +295,48 @@ STATE_STYLE = {"running": "green", "finished": "bold green", "stalled": "bold ye
                "stopped": "yellow", "none": "dim", "missing": "red"}
 
 
-def fan_out(targets: list, run: str | None, stall_after: float, as_json: bool) -> None:
-    """`status --group`: one compact row per container; with --json the rows' facts as one JSON
-    object {container: facts} on stdout, and the table on stderr."""
-    collected: dict = {}
+@dataclass
+class View:
+    """One container's status as `invoke status` shows it: the tables, or the facts as JSON."""
 
-    def row(t):
+    st: RunStatus
+    label: str
+    as_json: bool = False
+
+    def describe(self):
+        return self.st.to_json() if self.as_json else view(self.st, self.label)
+
+    def row(self) -> str:
+        return self.st.row()
+
+
+@dataclass
+class Collected:
+    """`status --group --json`: the rows' facts as one JSON object {container: facts} on stdout,
+    the table beside it on stderr."""
+
+    rows: fanout.Rows
+
+    def aside(self):
+        return self.rows.describe()
+
+    def describe(self) -> str:
+        found = {o.label: asdict(o.result) for o in self.rows.outcomes if isinstance(o.result, RunStatus)}
+        return json.dumps(dict(sorted(found.items())), indent=2)
+
+    @property
+    def error(self):
+        return self.rows.error
+
+
+def fan_out(targets: list, run: str | None, stall_after: float, as_json: bool) -> fanout.Rows | Collected:
+    """`status --group`: one compact row per container (with --json: `Collected`)."""
+    def one(t):
         st = gather(t, run, stall_after)
-        if st is None:  # dry run
-            return "dry run"
-        collected[t.container.label] = st
-        return st.row()
+        return "dry run" if st is None else st
 
-    if not as_json:
-        fanout.for_each(targets, row, title="status")
-        return
-    try:
-        with contextlib.redirect_stdout(sys.stderr):
-            fanout.for_each(targets, row, title="status")
-    finally:
-        print(json.dumps({label: asdict(st) for label, st in sorted(collected.items())}, indent=2))
+    rows = fanout.Rows("status", fanout.run(targets, one))
+    return Collected(rows) if as_json else rows
 
 
 def _fmt_duration(seconds) -> str:
@@ -338,12 +358,12 @@ def fmt(value, spec=".4g") -> str:
         return format(float(value), ".4g")
 
 
-def render(st: RunStatus, label: str, console=None) -> None:
+def view(st: RunStatus, label: str):
     """The human view: a rich table of the run, one of the GPUs, and the runbook to read."""
+    from rich.console import Group
     from rich.table import Table
 
     escape = terminal.markup  # every value below was read in the container
-    console = console or terminal.console()
     table = Table(title=f"{label}: run {escape(st.run or '(none)')}", show_header=False)
     table.add_column("fact", style="bold")
     table.add_column("value")
@@ -371,7 +391,7 @@ def render(st: RunStatus, label: str, console=None) -> None:
                       "expected; see the WARNING in the log)")
     if st.last_error:
         table.add_row("last error", escape(st.last_error))
-    console.print(table)
+    parts = [table]
     if st.gpus:
         gpus = Table(title="GPUs")
         for col in ("GPU", "util %", "memory used MiB", "memory total MiB"):
@@ -379,9 +399,15 @@ def render(st: RunStatus, label: str, console=None) -> None:
         for g in st.gpus:
             gpus.add_row(str(g.index), fmt(g.utilization, "d"), fmt(g.memory_used_mib, "d"),
                          fmt(g.memory_total_mib, "d"))
-        console.print(gpus)
+        parts.append(gpus)
     if st.gpu_error:
-        console.print(f"[yellow]nvidia-smi: {escape(st.gpu_error)}[/yellow]")
+        parts.append(f"[yellow]nvidia-smi: {escape(st.gpu_error)}[/yellow]")
     for f in st.findings:
-        console.print(f"[bold red]{escape(f['title'])}[/bold red]: read {escape(f['runbook'])}"
-                      + (f"\n  {escape(f['line'])}" if f["line"] else ""), highlight=False)
+        parts.append(f"[bold red]{escape(f['title'])}[/bold red]: read {escape(f['runbook'])}"
+                     + (f"\n  {escape(f['line'])}" if f["line"] else ""))
+    return Group(*parts)
+
+
+def render(st: RunStatus, label: str, console=None) -> None:
+    """`view` printed on `console` (status --watch captures it)."""
+    (console or terminal.console()).print(view(st, label))

@@ -33,6 +33,7 @@ from .errors import (
     RemoteCommandFailed,
     SudoRefused,
     UnsafeValue,
+    UsageError,
 )
 from .inventory import Container, Host
 
@@ -567,6 +568,46 @@ def host_key_pinned(host: Host, key: paramiko.PKey) -> bool:
     except Exception:  # noqa: BLE001 - unreadable, special or malformed: not pinned
         return False
     return keys.check(known_hosts_name(host), key)
+
+
+@dataclass
+class KeyCheck:
+    """`invoke trust-host`: the key a host offers, and whether it was pinned (`error`: a fingerprint
+    that does not match, shown after the offered key)."""
+
+    host: Host
+    key_name: str
+    offered: str
+    pinned_in: str | None = None
+    error: Exception | None = None
+
+    def describe(self) -> str:
+        h = self.host
+        lines = [f"{h.name} ({h.address}:{h.port}) offers {self.key_name} {self.offered}"]
+        if self.pinned_in:
+            lines.append(f"pinned in {self.pinned_in}")
+        elif self.error is None:
+            lines.append(f"not pinned: re-run with --fingerprint {self.offered} once you have checked it "
+                         "on the host")
+        return "\n".join(lines)
+
+    def row(self) -> str:
+        return self.describe().splitlines()[-1]
+
+
+def trust_host(host: Host, given: str | None = None) -> KeyCheck:
+    """Fetch the host's key; pin it only when `given` (the fingerprint checked out of band) matches."""
+    key = HostSession(host).offered_host_key()
+    offered = fingerprint(key)
+    check = KeyCheck(host, key.get_name(), offered)
+    if given is None:
+        return check
+    if given.strip() != offered:
+        check.error = UsageError(f"fingerprint mismatch: you gave {given}, the host offers {offered}; "
+                                 "nothing pinned")
+        return check
+    check.pinned_in = pin_host_key(host, key)
+    return check
 
 
 def pin_host_key(host: Host, key: paramiko.PKey) -> str:

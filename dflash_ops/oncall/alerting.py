@@ -11,39 +11,20 @@ Each container costs one round trip (`status.gather`); hosts are read in paralle
 from __future__ import annotations
 
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
-from .. import runs
+from .. import fanout, runs
 from .. import status as status_mod
-from ..errors import ConnectError, ContainerError, DflashOpsError, RunStateError, UsageError
+from ..errors import ContainerError, DflashOpsError, RunStateError, UsageError
 from ..terminal import visible
 from . import events, monitoring, notify, prometheus
 
 
 def collect(targets, run, stall_after) -> list[tuple]:
-    """[(target, RunStatus or None, error or None)] in the targets' order; one thread per host."""
-    by_host: dict[str, list] = {}
-    for t in targets:
-        by_host.setdefault(t.container.host.name, []).append(t)
-
-    def read_host(host_targets):
-        out, down = [], None
-        for t in host_targets:
-            if down is not None:  # one timeout per host is enough
-                out.append((t, None, down))
-                continue
-            try:
-                out.append((t, status_mod.gather(t, run, stall_after), None))
-            except ConnectError as exc:
-                down = exc
-                out.append((t, None, exc))
-            except (DflashOpsError, ValueError) as exc:
-                out.append((t, None, exc))
-        return out
-
-    with ThreadPoolExecutor(max_workers=max(1, len(by_host))) as pool:
-        found = {id(row[0]): row for rows in pool.map(read_host, by_host.values()) for row in rows}
-    return [found[id(t)] for t in targets]
+    """[(target, RunStatus or None, error or None)] in the targets' order; hosts in parallel
+    (fanout.run: one timeout per host is enough)."""
+    return [(o.target, o.result, o.error)
+            for o in fanout.run(targets, lambda t: status_mod.gather(t, run, stall_after))]
 
 
 def _verdict(t, st, error, th) -> monitoring.Verdict:
@@ -55,39 +36,56 @@ def _verdict(t, st, error, th) -> monitoring.Verdict:
     return monitoring.verdict(st, label, th)
 
 
-def check(select, run) -> int:
-    """Print the verdict (one line | perfdata, then one line per container) and return the plugin code.
+@dataclass
+class Report:
+    """What `status --check` / `--prometheus` show: text on stdout, lines on stderr (`aside`), and
+    the monitoring-plugin exit code."""
+
+    text: str = ""
+    notes: list = field(default_factory=list)
+    exit_with: int = 0  # the monitoring-plugin code (cli.show exits with it)
+
+    def aside(self) -> str:
+        return "\n".join(self.notes)
+
+    def describe(self) -> str:
+        return self.text
+
+    def row(self) -> str:
+        return self.text.splitlines()[0] if self.text else ""
+
+
+def check(select, run) -> Report:
+    """The verdict (one line | perfdata, then one line per container) and the plugin code.
     `select()` returns (Thresholds, targets); an error there (bad inventory, bad size) is UNKNOWN too."""
     try:
         th, targets = select()
         rows = collect(targets, run, th.stall_after)
     except DflashOpsError as exc:
-        print(f"UNKNOWN - {visible(str(exc))}")
-        return monitoring.UNKNOWN
+        return Report(f"UNKNOWN - {visible(str(exc))}", exit_with=monitoring.UNKNOWN)
     if any(t.dry_run for t in targets):
-        return monitoring.OK
+        return Report(exit_with=monitoring.OK)
     code, text = monitoring.report([_verdict(t, st, error, th) for t, st, error in rows])
-    print("\n".join(visible(line) for line in text.splitlines()))
-    return code
+    return Report("\n".join(visible(line) for line in text.splitlines()), exit_with=code)
 
 
-def export_metrics(targets, run, stall_after, path: str | None) -> str | None:
-    """The metrics of every target; written atomically to `path`, else printed. A container that
-    cannot be read is `dflash_up 0` (and one line on stderr), not a failure of the whole file."""
+def export_metrics(targets, run, stall_after, path: str | None) -> Report:
+    """The metrics of every target; written atomically to `path` (the report says where), else the
+    report is the text. A container that cannot be read is `dflash_up 0` (and one line on stderr),
+    not a failure of the whole file."""
     rows = collect(targets, run, stall_after)
     if any(t.dry_run for t in targets):
-        return None
-    all_samples = []
+        return Report()
+    all_samples, notes = [], []
     for t, st, error in rows:
         if error is not None:
-            print(visible(f"{t.container.label}: {error}"), file=sys.stderr)
+            notes.append(visible(f"{t.container.label}: {error}"))
         all_samples += prometheus.samples(t.container.host.name, t.container.ctid, st)
     text = prometheus.exposition(all_samples)
     if path in (None, "-", True):
-        sys.stdout.write(text)
-        return None
+        return Report(text.removesuffix("\n"), notes)
     try:
-        return prometheus.write_atomic(path, text)
+        return Report(f"wrote {prometheus.write_atomic(path, text)}", notes)
     except OSError as exc:
         raise UsageError(f"--prometheus {path}: cannot write it: {exc.strerror or exc}") from None
 

@@ -5,7 +5,7 @@ import signal
 
 import pytest
 
-from dflash_ops import fanout, target
+from dflash_ops import cli, fanout, target
 from dflash_ops.errors import FanOutFailed
 from dflash_ops.inventory import load_inventory
 
@@ -23,17 +23,20 @@ def test_one_row_per_container_in_parallel_across_hosts(sandbox_factory, capsys)
     hosts = {c.host.name for c in inv.containers.values()}
     assert len(hosts) == 2
 
-    outcomes = fanout.for_each(target.resolve(sb.inventory, group="all"), hostname)
+    outcomes = fanout.run(target.resolve(sb.inventory, group="all"), hostname)
     assert [(o.label, o.ok) for o in outcomes] == [("pve1/200", True), ("pve2/201", True)]
     assert outcomes[0].detail != outcomes[1].detail  # each ran in its own container
+    assert capsys.readouterr().out == ""  # fanout.run returns; the task layer shows
+    cli.show(fanout.Rows("hostname", outcomes))
     table = capsys.readouterr().out
     assert "pve1/200" in table and "pve2/201" in table
 
     # One host down: its row says why, the other host's row is still there, the call fails.
     os.kill(sb.host("pve2").sshd_pid, signal.SIGTERM)
     target.close_sessions()
+    outcomes = fanout.run(target.resolve(sb.inventory, "200,201"), hostname)
     with pytest.raises(FanOutFailed, match="1 of 2 containers failed: pve2/201"):
-        fanout.for_each(target.resolve(sb.inventory, "200,201"), hostname)
+        cli.show(fanout.Rows("hostname", outcomes))
     table = capsys.readouterr().out
     assert "pve1/200" in table and "cannot reach pve2" in table
 

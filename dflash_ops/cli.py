@@ -97,10 +97,11 @@ def show(result) -> None:
     """
     if result is None:
         return
+    width = getattr(result, "pipe_width", 240)
     aside = getattr(result, "aside", None)
     if aside is not None:
-        _print(aside(), stderr=True)
-    _print(result.describe(), width=getattr(result, "pipe_width", 240))
+        _print(aside(), stderr=True, width=width)
+    _print(result.describe(), width=width)
     error = getattr(result, "error", None)
     if error is not None:
         raise error
@@ -123,13 +124,15 @@ class Changed:
         return "; ".join(self.result.changed) or "nothing to do"
 
 
-def _print(text, stderr: bool = False, width: int = 240) -> None:
+def _print(text, stderr: bool = False, width: int | None = 240) -> None:
+    """Text visibly, a renderable through rich; on a pipe, `width` columns (a result's `pipe_width`;
+    None: rich's own choice, $COLUMNS or 80)."""
     if isinstance(text, str):
         if text:
             print(terminal.visible(text, newlines=True), file=sys.stderr if stderr else sys.stdout)
     elif text is not None:
         console = terminal.console(stderr=stderr)
-        if not console.is_terminal:  # logs and pipes: one line per row, not wrapped at 80 columns
+        if not console.is_terminal and width:  # logs and pipes: one line per row, not wrapped at 80
             console = terminal.console(stderr=stderr, width=width)
         console.print(text)
 

@@ -19,11 +19,13 @@ from .target import Target
 
 @dataclass
 class Outcome:
-    """One container's result in a fan-out: what its action returned, or the exception it raised."""
+    """One container's result in a fan-out: what its action returned (and its row), or the exception
+    it raised."""
 
     target: Target
     result: object = None
     error: Exception | None = None
+    row: str = "ok"
 
     @property
     def label(self) -> str:
@@ -35,18 +37,24 @@ class Outcome:
 
     @property
     def detail(self) -> str:
-        """The row's text: the error's one line, or the result's `row()` (text results as they are)."""
-        if self.error is not None:
-            if isinstance(self.error, DflashOpsError):
-                return str(self.error)
-            return f"{type(self.error).__name__}: {self.error}"
-        if self.result is None or self.result == "":
-            return "ok"
-        return self.result if isinstance(self.result, str) else self.result.row()
+        """The row's text: the error's one line, or the result's row."""
+        if self.error is None:
+            return self.row
+        if isinstance(self.error, DflashOpsError):
+            return str(self.error)
+        return f"{type(self.error).__name__}: {self.error}"
+
+
+def _row(result) -> str:
+    """A result's row: text as it is, else its `row()` (which may raise: doctor's failed checks)."""
+    if result is None or result == "":
+        return "ok"
+    return result if isinstance(result, str) else result.row()
 
 
 def run(targets: list[Target], action: Callable[[Target], object]) -> list[Outcome]:
-    """Run `action(target)` on every target; one Outcome each, in the targets' order.
+    """Run `action(target)` on every target; one Outcome each, in the targets' order. A result's
+    `row()` is taken here too: one that raises makes the container's outcome an error.
 
     Hosts run in parallel (one thread and one SSH connection per host), containers of one host in
     order; once a host cannot be reached, its remaining containers get that host's error.
@@ -62,7 +70,8 @@ def run(targets: list[Target], action: Callable[[Target], object]) -> list[Outco
                 outcomes.append(Outcome(t, error=host_down))
                 continue
             try:
-                outcomes.append(Outcome(t, action(t)))
+                result = action(t)
+                outcomes.append(Outcome(t, result, row=_row(result)))
             except ConnectError as exc:
                 host_down = exc
                 outcomes.append(Outcome(t, error=exc))
@@ -82,6 +91,7 @@ class Rows:
 
     title: str
     outcomes: list[Outcome]
+    pipe_width = None  # on a pipe: $COLUMNS or 80 columns, as rich chooses
 
     def describe(self):
         # rich is imported here: a one-container task (every CLI call imports this module) needs none.

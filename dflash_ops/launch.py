@@ -456,6 +456,7 @@ class GroupLaunch:
 
     rows: fanout.Rows
     stopped: int = 0
+    pipe_width = None  # on a pipe: $COLUMNS or 80 columns, as rich chooses
 
     def describe(self):
         from rich.console import Group

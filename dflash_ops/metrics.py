@@ -165,6 +165,7 @@ class Shown:
     metrics: RunMetrics
     n: int = 20
     plotted: str | None = None
+    pipe_width = None  # on a pipe: $COLUMNS or 80 columns, as rich chooses
 
     def describe(self):
         from rich.console import Group

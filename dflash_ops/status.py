@@ -302,6 +302,7 @@ class View:
     st: RunStatus
     label: str
     as_json: bool = False
+    pipe_width = None  # on a pipe: $COLUMNS or 80 columns, as rich chooses
 
     def describe(self):
         return self.st.to_json() if self.as_json else view(self.st, self.label)
@@ -316,6 +317,7 @@ class Collected:
     the table beside it on stderr."""
 
     rows: fanout.Rows
+    pipe_width = None
 
     def aside(self):
         return self.rows.describe()

@@ -49,6 +49,25 @@ def disconnect(c, host=None, inventory=None):
                           for h in ([inv.hosts[host]] if host else inv.hosts.values()))
 
 
+@op_task(help={"ct": "a running container of the inventory (only a scratch dir under its /tmp is written, "
+                     "then removed; it is never started or stopped)",
+               "stopped_ct": "a stopped container on the same host, for the stopped-container checks "
+                             "(skipped without it; never started)"})
+def conformance(t, stopped_ct=None, ct=None, inventory=None):
+    """Check that the host's pct does what the tool relies on: one row per check, then a verdict.
+
+    Runs commands in the running container --ct and in scratch dirs of its own there and on the host
+    (removed at the end): arguments, environment, working directory, exit codes and output streams
+    of `pct exec`; pct's words for a missing and a stopped container; `pct push` and `pull` of 1 MiB,
+    checked by sha256, and how their failures show. Each row: what was sent, what the host did, what
+    the tool expects (docs/design.md, "The pct contract"). Exits 1 if a check failed, 2 if --ct is not
+    a running container (or --stopped-ct not a stopped one) on its host.
+    """
+    from dflash_ops import conformance as conformance_mod
+
+    return conformance_mod.run_checks(t, stopped_ct)
+
+
 # --- the embedded host ----------------------------------------------------------------------------
 @op_task(help={"containers": "container ids to create, e.g. 200 or 200,201",
                "hosts": "how many embedded hosts (each its own sshd on 127.0.0.1)",
@@ -470,6 +489,7 @@ sandbox_ns.add_task(sandbox_up, "up")
 sandbox_ns.add_task(sandbox_down, "down")
 sandbox_ns.add_task(sandbox_status, "status")
 
-ns = Collection(trust_host, disconnect, sandbox_ns, deploy, warmup, train, logs, status, watch_run, list_runs,
-                prune, stop, doctor, clean_cache, eval_run, regenerate, metrics, fetch, plan)
+ns = Collection(trust_host, disconnect, conformance, sandbox_ns, deploy, warmup, train, logs, status,
+                watch_run, list_runs, prune, stop, doctor, clean_cache, eval_run, regenerate, metrics, fetch,
+                plan)
 ns.configure({"dflash": {"inventory": None}})

@@ -15,7 +15,8 @@ class ExitStatus(IntEnum):
         return member
 
     OK = 0, "success"
-    CHECK_FAILED = 1, "`doctor` found a failed readiness check (each failed line names its fix)"
+    CHECK_FAILED = 1, ("`doctor` found a failed readiness check (each failed line names its fix); "
+                       "`conformance`: the host's pct failed a check of the contract")
     USAGE = 2, "bad input: a flag, a `--set`, the inventory, or a value that cannot reach a shell safely"
     UNREACHABLE = 3, ("the host cannot be reached, refused authentication, or its host key is not pinned "
                       "or changed")

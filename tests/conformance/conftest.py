@@ -1,61 +1,33 @@
-"""The host the conformance suite checks: the embedded one, or the one given with --inventory/--ct.
+"""The host the conformance checks run on: the embedded one, or the one given with --inventory/--ct.
 
-On the host and in the container the suite writes only a scratch directory of its own under /tmp
-(`mktemp -d`), removed at the end; it never starts or stops a container. The missing-container
-checks use an id that `pct list` does not show; the stopped-container checks use the embedded
-host's stopped container, or --stopped-ct on a real host (skipped without it).
+The checks are the product's (dflash_ops.conformance, what `invoke conformance` runs); here each is
+one pytest test. The missing-container checks use an id that `pct list` does not show; the
+stopped-container checks use the embedded host's stopped container, or --stopped-ct on a real host
+(skipped without it).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import re
-
 import pytest
-from pct_host import SCRATCH, PctHost, missing_id, shown
 
-from dflash_ops import commands, target
-from dflash_ops.inventory import Container, load_inventory
+from dflash_ops import conformance, target
+from dflash_ops.errors import DflashOpsError
+from dflash_ops.inventory import load_inventory
 
 
 @pytest.fixture(scope="session")
-def pct_host(request) -> PctHost:
+def pct_host(request) -> conformance.PctHost:
     options = request.config.option
     if options.inventory:
-        inv, embedded = load_inventory(options.inventory), False
-        stopped_id = options.stopped_ct
+        inv, stopped_id = load_inventory(options.inventory), options.stopped_ct
     else:
-        inv, embedded = load_inventory(request.getfixturevalue("sandbox").inventory), True
-        stopped_id = 201
+        inv, stopped_id = load_inventory(request.getfixturevalue("sandbox").inventory), 201
     ct = inv.container(options.ct)
     session = target.session_for(inv, ct)
-    listing = session.run(commands.pct_line(ct.host.pct_command, "list"), check=False)
-    if not listing.ok:
-        pytest.exit(f"`{ct.host.pct} list` on {ct.host.name} failed ({shown(listing)}): fix the "
-                    "inventory or the host's pct first", returncode=4)
-    host = PctHost(session, ct, dataclasses.replace(ct, ctid=missing_id(listing.stdout)),
-                   inv.container(stopped_id) if stopped_id else None, embedded)
-    if not re.search(rf"^{ct.ctid}\s+running\s", listing.stdout, re.M):
-        pytest.exit(f"container {ct.ctid} is not running on {ct.host.name} (pct list: "
-                    f"{listing.stdout!r}); the suite never starts one: give a running container with --ct",
-                    returncode=4)
-    if host.stopped is not None and not re.search(rf"^{host.stopped.ctid}\s+stopped\s", listing.stdout, re.M):
-        pytest.exit(f"--stopped-ct {host.stopped.ctid} is not a stopped container on {ct.host.name}",
-                    returncode=4)
-    host.ct_scratch = session.exec(ct, ["mktemp", "-d", SCRATCH],
-                                   env={"PATH": commands.SYSTEM_PATH}).stdout.strip()
-    host.host_scratch = session.run(commands.shell_line(["mktemp", "-d", SCRATCH])).stdout.strip()
     try:
-        yield host
+        with conformance.opened(session, ct, inv.container(stopped_id) if stopped_id else None) as host:
+            yield host
+    except DflashOpsError as exc:
+        pytest.exit(str(exc), returncode=exc.exit_status)
     finally:
-        session.exec(ct, ["rm", "-rf", "--", host.ct_scratch], env={"PATH": commands.SYSTEM_PATH},
-                     check=False)
-        session.run(commands.shell_line(["rm", "-rf", "--", host.host_scratch]), check=False)
         session.close()
-
-
-@pytest.fixture
-def stopped(pct_host) -> Container:
-    if pct_host.stopped is None:
-        pytest.skip("no stopped container to check with: give --stopped-ct ID (the suite never stops one)")
-    return pct_host.stopped

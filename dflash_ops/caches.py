@@ -1,6 +1,6 @@
 """`invoke clean-cache`: remove the compile caches the inventory names, in one round trip.
 
-The cleaner runs in the container (container_runs.py `clean-caches`) and holds the runs lock while it
+The cleaner runs in the container (remote/runs.py `clean-caches`) and holds the runs lock while it
 deletes, so no run can start half-way; while a run holds that lock it refuses unless forced.
 """
 
@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import facts
 from .errors import RunStateError
 from .inventory import Container
+from .remote import readings, ship
 from .target import Target
+
+CLEAN_TIMEOUT_S = 600.0  # removing a compile cache of many files
 
 
 @dataclass(frozen=True)
@@ -23,23 +25,26 @@ class Freed:
     existed: bool
 
 
-def clean_line(ct: Container, force: bool = False) -> str:
-    payload = {"runs": ct.paths.runs, "caches": ct.paths.caches.all(), "force": bool(force)}
-    return facts.runs_line(ct, "clean-caches", payload)
+def clean_payload(ct: Container, force: bool = False) -> dict:
+    return {"runs": ct.paths.runs, "caches": ct.paths.caches.all(), "force": bool(force)}
+
+
+def _count(value) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 62 else 0
 
 
 def parse_clean(ct: Container, answer: dict) -> list[Freed]:
-    """The cleaner's answer -> what was freed; a refusal becomes RunStateError (pure)."""
-    if answer.get("refused"):
-        raise RunStateError(f"run {answer['refused']!r} is alive on {ct.label}: its compile caches "
-                            "are in use; stop it first (`invoke stop`) or pass --force")
+    """The cleaner's answer -> what was freed, for the caches the inventory names (pure)."""
+    freed = answer.get("freed") if isinstance(answer, dict) else None
+    if not isinstance(freed, dict):
+        raise ship.BadAnswer(f"{ct.label}: clean-cache: the answer's field 'freed' is not an object")
     out = []
-    for name, usage in sorted((answer.get("freed") or {}).items()):
-        if usage.get("left"):
-            raise RunStateError(f"{ct.label}: {usage.get('path')} could not be removed completely")
-        out.append(Freed(name, usage.get("path", ""), int(usage.get("bytes") or 0),
-                         int(usage.get("files") or 0),
-                         bool(usage.get("exists"))))
+    for name, path in sorted(ct.paths.caches.all().items()):
+        usage = freed.get(name) if isinstance(freed.get(name), dict) else {}
+        if usage.get("left") is not False:
+            raise RunStateError(f"{ct.label}: {path} could not be removed completely")
+        out.append(Freed(name, path, _count(usage.get("bytes")), _count(usage.get("files")),
+                         usage.get("exists") is True))
     return out
 
 
@@ -50,18 +55,26 @@ class Cleaned:
     freed: list[Freed]
 
     def describe(self) -> str:
-        lines = [f"{f.name:<17} {facts.human_bytes(f.bytes):>10}  {f.files:>6} files  {f.path}"
+        lines = [f"{f.name:<17} {readings.human_bytes(f.bytes):>10}  {f.files:>6} files  {f.path}"
                  + ("" if f.existed else "  (was empty)") for f in self.freed]
         return "\n".join([*lines, self.row()])
 
     def row(self) -> str:
         total = sum(f.bytes for f in self.freed)
-        return f"freed {facts.human_bytes(total)} ({total} bytes) in {sum(f.files for f in self.freed)} files"
+        files = sum(f.files for f in self.freed)
+        return f"freed {readings.human_bytes(total)} ({total} bytes) in {files} files"
 
 
 def clean_cache(t: Target, force: bool = False) -> Cleaned:
     ct = t.container
-    result = t.session.run_in(ct, clean_line(ct, force))
+    try:
+        answer = ship.call(t, "runs", "clean-caches", clean_payload(ct, force), timeout=CLEAN_TIMEOUT_S,
+                           what="clean-cache")
+    except ship.Refusal as refusal:
+        if refusal.kind == "busy":
+            raise RunStateError(f"{refusal}: its compile caches are in use; stop it first (`invoke stop`) "
+                                "or pass --force") from None
+        ship.raise_common(refusal)
     if t.dry_run:
         return Cleaned([])
-    return Cleaned(parse_clean(ct, facts.parse_json_line(result.stdout, "clean-cache")))
+    return Cleaned(parse_clean(ct, answer))

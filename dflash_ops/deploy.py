@@ -2,10 +2,10 @@
 
 Round trips: one to read what the container has (file hashes computed there, venv stamp, model);
 when files changed, one SFTP put of a tar of the changed files and one host line that pushes it into
-the container and stages + swaps a release there (container_release.py); one for pip when the pinned
+the container and stages + swaps a release there (remote/release.py); one for pip when the pinned
 requirements changed (streamed), then one to re-check torch; one to create the tiny target if asked.
 A repeat with nothing changed is one round trip, sends no file content and imports no torch: the
-first round trip reuses the venv's recorded torch check (container_facts.venv_fact).
+first round trip reuses the venv's recorded torch check (remote/facts.py venv_fact).
 """
 
 from __future__ import annotations
@@ -23,17 +23,20 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import commands, facts, terminal, transport
-from .container_facts import MANIFEST, REQUIREMENTS_STAMP  # the container side's names, one definition
+from . import commands, terminal, transport
 from .errors import DeployError
 from .inventory import Container
+from .remote import readings
+from .remote import ship as remote
+from .remote.facts import MANIFEST, REQUIREMENTS_STAMP  # the container side's names, one definition
 from .target import Target
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PAYLOAD = "remote_scripts"
 REQUIREMENTS = "requirements.txt"
 KEEP_RELEASES = 3  # the current release and two before it, for a quick look back or a manual rollback
-CONTAINER_RELEASE = Path(__file__).with_name("container_release.py").read_text(encoding="utf-8")
+FACTS_TIMEOUT_S = 900.0  # the facts helper's deadline: importing torch in a fresh venv takes minutes
+RELEASE_TIMEOUT_S = 600.0  # pushing and staging a release
 
 # Creates or refreshes the venv; the stamp is removed first and written last, so a failed or
 # interrupted pip leaves the venv marked stale and the next deploy installs again. --no-compile:
@@ -170,7 +173,7 @@ def stage_line(container: Container, host_tmp: str, plan: Plan, data: bytes) -> 
     push = commands.pct_push_verified(container.ctid, host_tmp, ct_tmp, len(data),
                                       hashlib.sha256(data).hexdigest(),
                                       pct=container.host.pct_command)
-    stage = facts.script_line(container, CONTAINER_RELEASE, None, payload)
+    stage = remote.line(container, "release", "install", payload)
     return f"{push} && {stage}; rc=$?; rm -f -- {commands.quote(host_tmp)}; exit $rc"
 
 
@@ -199,8 +202,13 @@ def ship(t: Target, plan: Plan, data: bytes, host_tmp: str | None = None) -> str
     t.session.put_bytes(data, host_tmp)
     line = stage_line(t.container, host_tmp, plan, data)
     what = f"the release tarball ({len(data)} bytes)"
-    t.session.run_in(t.container, line,
-                     explain=lambda r: transport.push_failure(t.container, r, what, len(data)))
+    result = t.session.run_in(t.container, line, timeout=RELEASE_TIMEOUT_S, limit=remote.ANSWER_CAP,
+                              explain=lambda r: transport.push_failure(t.container, r, what, len(data)))
+    if not t.dry_run:
+        try:
+            remote.answer(result.stdout, f"{t.container.label}: deploy")
+        except remote.Refusal as refusal:
+            raise DeployError(str(refusal)) from None
     return line
 
 
@@ -214,7 +222,7 @@ class DeployReport:
     bytes_sent: int = 0        # file content (the tar) sent over SFTP
     line_bytes: int = 0        # command lines sent
     venv_updated: bool = False
-    torch: facts.TorchInfo | None = None
+    torch: readings.TorchInfo | None = None
     gpu_message: str = ""
     tiny_target_created: bool = False
     round_trips: int = 0
@@ -249,9 +257,17 @@ def deploy(t: Target, root: Path = REPO_ROOT, echo: Callable[[str], None] | None
         sent_lines.append(line)
         return session.run_in(ct, line, **kwargs)
 
+    def facts(want: tuple[str, ...]) -> dict:
+        """The facts helper's answer, in the one protocol; {} in a dry run."""
+        result = run(remote.facts_line(ct, want, torch_check), timeout=FACTS_TIMEOUT_S,
+                     limit=remote.ANSWER_CAP)
+        value = {} if t.dry_run else remote.answer(result.stdout, f"{ct.label}: deploy")
+        if not isinstance(value, dict):
+            raise remote.BadAnswer(f"{ct.label}: deploy: the facts answer is not an object")
+        return value
+
     torch_check = "always" if check else "recorded"
-    probe = facts.parse_json_line(run(facts.facts_line(ct, ("code", "venv", "model"), torch_check)).stdout,
-                                  "deploy")
+    probe = facts(("code", "venv", "model"))
     plan = make_plan({rel: f.sha256 for rel, f in local.items()}, probe.get("code"))
     report = DeployReport(release=plan.release, up_to_date=plan.up_to_date)
 
@@ -263,7 +279,7 @@ def deploy(t: Target, root: Path = REPO_ROOT, echo: Callable[[str], None] | None
         report.changed, report.deleted = plan.changed, plan.deleted
         report.files_sent, report.bytes_sent = len(plan.changed), len(data)
         say(f"code: release {plan.release} is live in {ct.paths.code}: {len(plan.changed)} changed, "
-            f"{len(plan.deleted)} deleted, {len(local)} files; sent {facts.human_bytes(len(data))}")
+            f"{len(plan.deleted)} deleted, {len(local)} files; sent {readings.human_bytes(len(data))}")
 
     venv = probe.get("venv") or {}
     if not venv.get("python") or venv.get("requirements") != want_req:
@@ -271,17 +287,16 @@ def deploy(t: Target, root: Path = REPO_ROOT, echo: Callable[[str], None] | None
             f"(requirements {want_req[:12]} changed); pip's output follows")
         run(venv_line(ct, want_req), stream=not t.dry_run)
         report.venv_updated = True
-        venv = facts.parse_json_line(run(facts.facts_line(ct, ("venv",), torch_check)).stdout,
-                                     "deploy").get("venv", {})
+        venv = facts(("venv",)).get("venv", {})
     else:
         say(f"venv: up to date ({ct.paths.venv}, requirements {want_req[:12]})")
 
     if not t.dry_run:
-        report.torch = facts.torch_info(venv)
+        report.torch = readings.torch_info(venv)
         if not report.torch.ok:
             raise DeployError(f"{ct.label}: {report.torch.error} in {ct.paths.venv}; "
                               f"re-run deploy, or remove {ct.paths.venv} to rebuild it")
-        ok, report.gpu_message = facts.gpu_verdict(ct, report.torch.gpus)
+        ok, report.gpu_message = readings.gpu_verdict(ct, report.torch.gpus)
         how = ("recorded check, same requirements and GPUs; --check re-runs it" if report.torch.recorded
                else "checked")
         say(f"torch {report.torch.version} (CUDA {report.torch.cuda or 'none'}, {how}): {report.gpu_message}")

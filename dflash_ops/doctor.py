@@ -1,6 +1,6 @@
 """`invoke doctor`: preflight of one container in one round trip, one line per check, the fix when red.
 
-The facts come from container_facts.py (one `pct exec`); `checks()` turns them into verdicts and is
+The facts come from remote/facts.py (one `pct exec`); `checks()` turns them into verdicts and is
 pure, so it is unit-tested on recorded facts.
 """
 
@@ -12,9 +12,10 @@ from pathlib import Path
 
 from rich.table import Table
 
-from . import deploy, facts, plan, terminal
+from . import deploy, plan, terminal
 from .errors import ConnectError, ContainerError, ContainerMissing, DflashOpsError, ExitStatus, SudoRefused
 from .inventory import Container
+from .remote import readings, ship
 from .target import Target
 
 MIN_FREE_SHM = 256 << 20    # NCCL and data-loader workers use /dev/shm beside the model kept there
@@ -50,7 +51,7 @@ def local_state(container: Container, root: Path = deploy.REPO_ROOT) -> Local:
 # --- verdicts (pure) --------------------------------------------------------------------------------
 
 def gpu_check(ct: Container, fact: dict) -> Check:
-    need = facts.gpus_needed(ct)
+    need = readings.gpus_needed(ct)
     if not fact.get("smi"):
         if need == 0:
             return Check("GPUs (nvidia-smi)", True, "no nvidia-smi in the container; the roles use CPU only")
@@ -72,11 +73,11 @@ def gpu_check(ct: Container, fact: dict) -> Check:
 
 
 def torch_check(ct: Container, venv_fact: dict) -> Check:
-    info = facts.torch_info(venv_fact)
+    info = readings.torch_info(venv_fact)
     if not info.ok:
         return Check("torch / CUDA", False, info.error,
                      "run `invoke deploy` (it rebuilds the venv if needed)")
-    ok, message = facts.gpu_verdict(ct, info.gpus)
+    ok, message = readings.gpu_verdict(ct, info.gpus)
     return Check("torch / CUDA", ok, f"torch {info.version}, CUDA {info.cuda or 'none'}: {message}",
                  "" if ok
                  else "a torch build for this CUDA and the GPUs passed through; then `invoke deploy`")
@@ -137,26 +138,36 @@ SPACE_FIXES = {
 
 def space_check(name: str, fact: dict, minimum: int) -> Check:
     free = fact.get("free")
-    detail = f"{facts.human_bytes(free)} free of {facts.human_bytes(fact.get('total'))} ({fact.get('path')})"
+    total = readings.human_bytes(fact.get("total"))
+    detail = f"{readings.human_bytes(free)} free of {total} ({fact.get('path')})"
     if free is None or free < minimum:
         fix = SPACE_FIXES.get(name, "free space or grow the mount")
-        return Check(name, False, detail, f"free at least {facts.human_bytes(minimum)}: {fix}")
+        return Check(name, False, detail, f"free at least {readings.human_bytes(minimum)}: {fix}")
     return Check(name, True, detail)
 
 
 def cache_check(caches: dict) -> Check:
-    parts = [f"{name} {facts.human_bytes(c.get('bytes'))} / {c.get('files', 0)} files" if c.get("exists")
+    parts = [f"{name} {readings.human_bytes(c.get('bytes'))} / {c.get('files', 0)} files" if c.get("exists")
              else f"{name} empty" for name, c in sorted(caches.items())]
     return Check("compile caches", True, "; ".join(parts) or "none configured")
 
 
 def layout_check(record: dict | None, target_gpus: int | None = None) -> Check:
     """The configured layout against the last `invoke plan` measurement: a warning, never a failure."""
-    if not record or int(record.get("gpus") or 0) < 2:
+    if not record:
         return Check("layout", True, "not measured: `invoke plan` measures the layouts of the GPUs")
-    configured = record["configured"]
-    warning = plan.lagging(plan.measured_from(record), target_gpus or len(configured["target_devices"]),
-                           configured["placement"])
+    try:
+        measured = plan.measured_from(record)
+        configured = record.get("configured")
+        devices = configured.get("target_devices") if isinstance(configured, dict) else None
+        placement = configured.get("placement") if isinstance(configured, dict) else None
+        if not isinstance(devices, list) or len(devices) > plan.MAX_GPUS or not isinstance(placement, str):
+            raise ValueError("plan.json: field 'configured' is not a layout")
+    except ValueError as exc:
+        return Check("layout", False, terminal.visible(str(exc)), "run `invoke plan` again")
+    if measured.gpus < 2:
+        return Check("layout", True, "not measured: `invoke plan` measures the layouts of the GPUs")
+    warning = plan.lagging(measured, target_gpus or len(devices), placement[:40])
     if warning:
         return Check("layout", True, f"WARNING: {warning}",
                      "`invoke plan` shows why; `invoke plan --write FILE` writes the best layout")
@@ -191,7 +202,8 @@ def gather(t: Target, root: Path = deploy.REPO_ROOT) -> list[Check]:
     local = local_state(ct, root)
     t.session.own_connection()
     try:
-        result = t.session.run_in(ct, facts.facts_line(ct, facts.ALL_FACTS))
+        result = ship.run(t, ship.facts_line(ct, ship.ALL_FACTS), f"{ct.label}: doctor",
+                          timeout=deploy.FACTS_TIMEOUT_S)
     except SudoRefused as exc:
         return [Check("host reachable", False, str(exc), "allow pct in sudoers without a password "
                       "(docs/runbooks/pct-host.md)")]
@@ -206,9 +218,24 @@ def gather(t: Target, root: Path = deploy.REPO_ROOT) -> list[Check]:
                 Check("container running", False, str(exc), fix)]
     if t.dry_run:
         return []
-    found = facts.parse_json_line(result.stdout, "doctor")
-    return [Check("host reachable", True, f"{ct.host.user}@{ct.host.address}:{ct.host.port}"),
-            *checks(ct, found, local)]
+    where = f"{ct.label}: doctor"
+    found = ship.answer(result.stdout, where)
+    if not isinstance(found, dict):
+        raise ship.BadAnswer(f"{where}: the facts answer is not an object")
+    for key, kind in FACT_TYPES.items():
+        if found.get(key) is not None and not isinstance(found[key], kind):
+            raise ship.BadAnswer(f"{where}: the answer's field {key!r} is not a {kind.__name__}")
+    try:
+        verdicts = checks(ct, found, local)
+    except (TypeError, AttributeError, KeyError, ValueError, IndexError, OverflowError) as exc:
+        raise ship.BadAnswer(f"{where}: a field inside the facts answer has the wrong type "
+                             f"({type(exc).__name__}: {terminal.visible(str(exc))[:120]})") from None
+    return [Check("host reachable", True, f"{ct.host.user}@{ct.host.address}:{ct.host.port}"), *verdicts]
+
+
+# The facts answer's fields and their types (remote/facts.py); deeper values are checked where read.
+FACT_TYPES = {"hostname": str, "alive": str, "gpus": dict, "venv": dict, "code": dict, "model": dict,
+              "space": dict, "caches": dict, "plan": dict}
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 The container is not trusted (docs/design.md, "Trust boundary"): it chooses no name and no path.
 Round trips:
-1. in the container (container_fetch.py): resolve the checkpoint to a real `step-N/` directory
+1. in the container (remote/fetch.py): resolve the checkpoint to a real `step-N/` directory
    under the run's `checkpoints/` and hash the files fetch asks for, by fixed name, refusing
    symlinks and anything that is not a regular file;
 2. on the host: a private directory from `mktemp -d`;
@@ -29,21 +29,21 @@ import stat
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from . import commands, facts, runs, terminal, transport
+from . import commands, runs, terminal, transport
 from .errors import DflashOpsError, ExitStatus, RemoteCommandFailed, RunStateError, UntrustedData, UsageError
+from .remote import ship
 
 MODEL_FILES = ("config.json", "model.safetensors")
 STATE_FILE = "training_state.pt"
 KNOWN_FILES = (*MODEL_FILES, STATE_FILE, "SHA256SUMS")
-CONTAINER_FETCH = Path(__file__).with_name("container_fetch.py").read_text(encoding="utf-8")
 HOST_TMP = re.compile(r"/tmp/dflash-fetch\.[A-Za-z0-9]{6,}")
 SHA256 = re.compile(r"[0-9a-f]{64}")
 TEMP_PREFIX = ".dflash-fetch-"
 # Transfer timeout when none is given: a floor, plus the size at a slow link's pace.
 TIMEOUT_FLOOR_S, SLOW_BYTES_PER_S = 300.0, 5 * 2**20
 STALL_S = 60.0
+LIST_TIMEOUT_S = 3600.0  # hashing the checkpoint in the container: a big one at a slow disk's pace
 
 # $1 the host's private dir, then the names: `name size sha256` per file, `-` for what is missing.
 HOST_CHECK = r'''cd -- "$1" || exit 1
@@ -118,18 +118,12 @@ def validate_checkpoint(name: str) -> str:
     return name
 
 
-def parse_listing(answer: dict, names: list[str], runs: str, run: str) -> tuple[str, list[RemoteFile]]:
-    """container_fetch.py's answer -> (checkpoint dir, files), or a one-line error. Pure.
+def parse_listing(answer, names: list[str], runs: str, run: str) -> tuple[str, list[RemoteFile]]:
+    """remote/fetch.py's "ok" value -> (checkpoint dir, files), or a one-line error. Pure.
 
     Only the names asked for, in that order; the directory must be `<runs>/<run>/checkpoints/step-N`.
     """
-    if "error" in answer:
-        message, code = terminal.visible(str(answer["error"]))[:300], answer.get("code")
-        if code in ("no_run", "no_checkpoint", "missing"):
-            raise RunStateError(message)
-        if code == "usage":
-            raise UsageError(message)
-        raise UntrustedData(message)
+    answer = answer if isinstance(answer, dict) else {}
     directory, files = answer.get("dir"), answer.get("files")
     root = f"{runs.rstrip('/')}/{run}/checkpoints/"
     if (not isinstance(directory, str) or not directory.startswith(root)
@@ -149,6 +143,13 @@ def parse_listing(answer: dict, names: list[str], runs: str, run: str) -> tuple[
                                 f"{terminal.visible(str(f))[:200]}")
         out.append(RemoteFile(name, f["sha256"], size))
     return directory, out
+
+
+def raise_refusal(refusal: ship.Refusal) -> None:
+    """The listing's refusal -> the error a user reads: no run or checkpoint is run state."""
+    if refusal.kind in ("no-run", "no-checkpoint", "missing"):
+        raise RunStateError(str(refusal)) from None
+    ship.raise_common(refusal)
 
 
 def parse_host_check(text: str, files: list[RemoteFile]) -> dict[str, tuple[int | None, str]]:
@@ -331,14 +332,13 @@ def fetch(t, run: str, to: str, checkpoint: str = "latest", force: bool = False,
                          "files in it")
 
     payload = {"runs": ct.paths.runs, "run": run, "checkpoint": checkpoint, "names": names}
-    listing = session.run_in(ct, facts.script_line(ct, CONTAINER_FETCH, "list", payload), check=False)
+    try:
+        listed = ship.call(t, "fetch", "list", payload, timeout=LIST_TIMEOUT_S, what="fetch")
+    except ship.Refusal as refusal:
+        raise_refusal(refusal)
     if t.dry_run:
         return None
-    if listing.exited != 0:
-        raise RemoteCommandFailed(f"{ct.label}: listing the checkpoint failed (exit {listing.exited}): "
-                                  f"{terminal.visible(listing.stderr.strip()[-300:])}", exited=listing.exited)
-    directory, files = parse_listing(facts.parse_json_line(listing.stdout, f"{ct.label}: fetch"), names,
-                                     ct.paths.runs, run)
+    directory, files = parse_listing(listed, names, ct.paths.runs, run)
     out = Fetched(run, directory, to, files)
     timeout = float(timeout) or TIMEOUT_FLOOR_S + out.total_bytes / SLOW_BYTES_PER_S
     echo(f"{ct.label}: {terminal.visible(directory)}: {len(files)} files, {out.total_bytes / 2**20:.1f} MiB")

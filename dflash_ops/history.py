@@ -1,24 +1,26 @@
 """`invoke runs` and `invoke prune`: every run in a container, and removing old ones, one round trip each.
 
-The work happens in the container (container_history.py, shipped per call through facts.script_line);
-here: the flags' validation, the request, and the tables. Names and paths in the answer come from
-the container and are shown through terminal.markup (the rich table) or terminal.visible (plain lines).
+The work happens in the container (remote/history.py, shipped through remote/ship.py); here: the
+flags' validation, the request, the answer's check (`checked`: every field with its type, or one line
+naming it) and the tables. Names and paths in the answer come from the container and are shown
+through terminal.markup (the rich table) or terminal.visible (plain lines).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-from . import facts, runs
-from .errors import RemoteCommandFailed, UsageError
-from .facts import human_bytes
+from .errors import UsageError
+from .remote import ship
+from .remote.prelude import STATES
+from .remote.readings import human_bytes
 from .terminal import markup, visible
 
-CONTAINER_HISTORY = Path(__file__).with_name("container_history.py").read_text(encoding="utf-8")
+HISTORY_TIMEOUT_S = 300.0  # sizing every run directory on a slow disk
 AGE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
@@ -40,23 +42,80 @@ def check_keep(keep) -> int:
 
 
 def payload(ct, **extra) -> dict:
-    return {"runs": ct.paths.runs, "lock": runs.lock_path(ct), "current": runs.current_path(ct),
-            **extra}
+    return {"runs": ct.paths.runs, **extra}
 
 
 def _ask(t, verb: str, args: dict) -> dict | None:
     ct = t.container
-    result = t.session.run_in(ct, facts.script_line(ct, CONTAINER_HISTORY, verb, args))
+    try:
+        answer = ship.call(t, "history", verb, args, timeout=HISTORY_TIMEOUT_S,
+                           what="runs" if verb == "list" else verb)
+    except ship.Refusal as refusal:
+        ship.raise_common(refusal)
     if t.dry_run:
         return None
-    answer = facts.parse_json_line(result.stdout, verb)
-    if not isinstance(answer.get("runs"), list):
-        raise RemoteCommandFailed(f"{ct.label}: {verb}: no run list in the container's answer")
-    return answer
+    return checked(answer, f"{ct.label}: {'runs' if verb == 'list' else verb}")
+
+
+def _int(value):
+    return value if isinstance(value, int) and not isinstance(value, bool) and abs(value) < 1 << 62 else None
+
+
+def _float(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return value if math.isfinite(value) and abs(value) < 1e300 else None
+
+
+def _str(value, cap=200):
+    return value[:cap] if isinstance(value, str) else None
+
+
+def _record(r, where: str, i: int) -> dict:
+    if not isinstance(r, dict) or not isinstance(r.get("name"), str):
+        raise ship.BadAnswer(f"{where}: the answer's field 'runs[{i}].name' is not a run name")
+    checkpoints = [c for c in (r.get("checkpoints") if isinstance(r.get("checkpoints"), list) else [])
+                   if isinstance(c, dict) and isinstance(c.get("name"), str)]
+    return {"name": r["name"][:200], "state": r.get("state") if r.get("state") in STATES else "?",
+            "detail": _str(r.get("detail"), 300) or "", "alive": r.get("alive") is True,
+            "step": _int(r.get("step")), "loss": _float(r.get("loss")),
+            "acceptance_length": _float(r.get("acceptance_length")), "started": _int(r.get("started")),
+            "ended": _int(r.get("ended")), "last_activity": _int(r.get("last_activity")),
+            "duration_s": _int(r.get("duration_s")), "exit_code": _str(r.get("exit_code"), 40),
+            "bytes": _int(r.get("bytes")), "latest_checkpoint": _str(r.get("latest_checkpoint"), 100),
+            "checkpoints": [{"name": c["name"][:100], "step": _int(c.get("step")),
+                             "bytes": _int(c.get("bytes"))} for c in checkpoints],
+            "keep_last": _int(r.get("keep_last"))}
+
+
+PLAN_KINDS = ("run", "checkpoint", "leftover")
+
+
+def checked(answer, where: str) -> dict:
+    """The history helper's answer with every field of the type it should have; BadAnswer naming the
+    first field that is not (a run list is what the whole answer is about)."""
+    if not isinstance(answer, dict) or not isinstance(answer.get("runs"), list):
+        raise ship.BadAnswer(f"{where}: the answer's field 'runs' is not a list of runs")
+    out = {"now": _int(answer.get("now")), "alive": _str(answer.get("alive")),
+           "runs": [_record(r, where, i) for i, r in enumerate(answer["runs"])]}
+    if "plan" in answer:
+        if not isinstance(answer.get("plan"), list):
+            raise ship.BadAnswer(f"{where}: the answer's field 'plan' is not a list")
+        plan = []
+        for i, item in enumerate(answer["plan"]):
+            if (not isinstance(item, dict) or item.get("what") not in PLAN_KINDS
+                    or not isinstance(item.get("path"), str) or not isinstance(item.get("run"), str)):
+                raise ship.BadAnswer(f"{where}: the answer's field 'plan[{i}]' is not a removal")
+            plan.append({"run": item["run"][:200], "path": item["path"][:400], "what": item["what"],
+                         "bytes": _int(item.get("bytes")), "why": _str(item.get("why"), 300) or ""})
+        removed = answer.get("removed") if isinstance(answer.get("removed"), list) else []
+        out.update(plan=plan, removed=[p[:400] for p in removed if isinstance(p, str)],
+                   lock=_str(answer.get("lock"), 20))
+    return out
 
 
 def list_runs(t, stall_after: float = 600) -> dict | None:
-    """{"now", "alive", "runs": [record, newest first]} (see container_history.run_record)."""
+    """{"now", "alive", "runs": [record, newest first]} (see remote/history.py run_record)."""
     return _ask(t, "list", payload(t.container, stall_after=stall_after))
 
 
@@ -67,7 +126,10 @@ def prune(t, keep: int, older_than: str | None = None, act: bool = False) -> dic
 
 
 def _when(epoch) -> str:
-    return "-" if not epoch else time.strftime("%m-%d %H:%M", time.gmtime(epoch))
+    try:
+        return "-" if not epoch else time.strftime("%m-%d %H:%M", time.gmtime(epoch))
+    except (OverflowError, OSError, ValueError):  # a date no clock gives
+        return "-"
 
 
 def _duration(seconds) -> str:

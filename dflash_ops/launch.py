@@ -20,7 +20,7 @@ run dies, and two launches at the same moment cannot both get it. `<paths.runs>/
 run that last took it. A warm-up holds the lock shared: no run starts during it, and it starts
 during no run. Anything else that must not overlap a run (clean-cache) holds it exclusively meanwhile.
 
-The container side of all this is container_runs.py (launch, wait, stop, warmup verbs): this module
+The container side of all this is remote/runs.py (launch, wait, stop, warmup verbs): this module
 builds their JSON arguments (pure) and turns their JSON answers into results or one-line errors.
 """
 
@@ -36,13 +36,17 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from . import commands, facts, fanout, terminal
+from . import commands, fanout, terminal
 from .errors import PreflightFailed, RemoteCommandFailed, RunStateError, UsageError
 from .inventory import SECRET_NAME, Container
 from .payload import config_path, inventory_sets, payload_argv
+from .remote import ship
 from .runs import default_run_name, describe_exit, run_dir, shown_name, validate_run_name, why_it_failed
 from .target import Target
 
+LAUNCH_TIMEOUT_S = 600.0  # the launch verb: the preflight (up to 300 s), the settle, the answer
+STOP_TIMEOUT_S = 60.0     # the stop verb beyond the grace: SIGKILL, the lock's release, the answer
+WAIT_OUTPUT_CAP = 64 << 20  # the wait verb streams the log until the first step: a few MiB at most
 MANIFEST = ".dflash-manifest.json"  # written by deploy into paths.code
 TRAIN_SCRIPT = "train_dflash.py"
 WARMUP_SCRIPT_NAME = "warmup_compile.py"
@@ -119,7 +123,7 @@ def launch_argv(ct: Container, name: str, config: str | None = None, sets: Seque
         "launch": commands.mask(json.dumps(record, indent=1), ct.secret_values()),
         "env": masked_env_text(ct, ct.run_env()),
     }
-    return facts.runs_argv(ct, "launch", payload), train
+    return ship.argv(ct, "runs", "launch", payload), train
 
 
 # --- remote operations -------------------------------------------------------------------------------
@@ -130,12 +134,12 @@ def launch(t, run: str | None = None, config: str | None = None, sets: Sequence[
     ct = t.container
     name = validate_run_name(run) if run is not None else default_run_name()
     argv, train = launch_argv(ct, name, config, sets, max_steps, launcher=launcher)
-    result = t.session.exec(ct, argv, env=ct.run_env(), cwd=ct.paths.code)
+    result = t.session.exec(ct, argv, env=ct.run_env(), cwd=ct.paths.code, timeout=LAUNCH_TIMEOUT_S,
+                            limit=ship.ANSWER_CAP)
     out = Launch(run=name, run_dir=run_dir(ct, name), argv=train, where=ct.label, ctid=ct.ctid)
     if t.dry_run:
         return out
-    answer = facts.parse_json_line(result.stdout, f"{ct.label}: launch")
-    refused(ct, answer, "launch")
+    answer = read_answer(ct, result.stdout, "launch")
     if answer.get("outcome") == "died":
         log = answer.get("log") if isinstance(answer.get("log"), list) else []
         raise crashed(name, ct.label, answer.get("exit_code"),
@@ -151,6 +155,18 @@ def launch(t, run: str | None = None, config: str | None = None, sets: Sequence[
 
 def _int(value) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def read_answer(ct: Container, text: str, what: str) -> dict:
+    """A runs verb's answer (ship.answer): its object, or the error `refused` makes of its refusal."""
+    try:
+        value = ship.answer(text, f"{ct.label}: {what}")
+    except ship.Refusal as refusal:
+        refused(ct, {**refusal.extra, "error": refusal.kind, "message": refusal.message}, what)
+        raise
+    if not isinstance(value, dict):
+        raise ship.BadAnswer(f"{ct.label}: {what}: the answer is not an object")
+    return value
 
 
 def refused(ct: Container, answer: dict, what: str) -> None:
@@ -209,23 +225,24 @@ def stop(t, run: str | None = None, grace: float = 30) -> Stop:
     """SIGTERM the run's process group, SIGKILL after `grace` s, confirm nothing is left, record it.
 
     One round trip; the container resolves the latest run itself when `run` is None, and signals a
-    group only once it has proven it is this run's wrapper (container_runs.prove_group).
+    group only once it has proven it is this run's wrapper (remote/runs.py prove_group).
     """
     ct = t.container
     if float(grace) < 0:
         raise UsageError(f"--grace {grace}: must be >= 0 seconds")
     name = validate_run_name(run) if run is not None else None
-    line = facts.runs_line(ct, "stop", {"runs": ct.paths.runs, "name": name, "grace": float(grace)})
-    result = t.session.run_in(ct, line)
+    line = ship.line(ct, "runs", "stop", {"runs": ct.paths.runs, "name": name, "grace": float(grace)})
+    result = t.session.run_in(ct, line, timeout=float(grace) + STOP_TIMEOUT_S, limit=ship.ANSWER_CAP)
     if t.dry_run:
         return Stop(name or "(latest)", "dry-run")
-    answer = facts.parse_json_line(result.stdout, f"{ct.label}: stop")
+    try:
+        answer = read_answer(ct, result.stdout, "stop")
+    except ship.Refusal as refusal:
+        if refusal.kind != "unproven":
+            raise
+        raise RunStateError(f"run {shown_name(refusal.extra.get('run') or name)} on {ct.label}: not "
+                            f"signalled: {refusal.message}; look with `invoke status`") from None
     shown = shown_name(answer.get("run") or name)
-    if answer.get("error") == "unproven":
-        raise RunStateError(f"run {shown} on {ct.label}: not signalled: "
-                            f"{terminal.visible(str(answer.get('message')))[:300]}; look with "
-                            "`invoke status`")
-    refused(ct, answer, "stop")
     outcome = answer.get("outcome")
     if outcome == "left":
         listing = "\n".join(terminal.visible(p) for p in answer.get("processes") or [] if isinstance(p, str))
@@ -285,7 +302,9 @@ class LaunchWatch:
         if not isinstance(item, dict):
             return  # the pty's echo of ^C, or noise
         line = item.get("line")
-        if "outcome" in item or "error" in item:
+        if isinstance(item.get("ok"), dict):
+            self.verdict = item["ok"]
+        elif "error" in item:
             self.verdict = item
         elif isinstance(line, str):
             self.lines = (self.lines + [line])[-400:]
@@ -312,8 +331,9 @@ def wait_until_going(t, launched: Launch, timeout: float = DEFAULT_WAIT_S, conso
                "timeout": float(timeout)}
     watch = LaunchWatch(launched.run, ct.label, float(timeout), console)
     with watch:
-        result = t.session.run_in(ct, facts.runs_line(ct, "wait", payload), check=False, pty=True,
-                                  out_stream=watch)
+        result = t.session.run_in(ct, ship.line(ct, "runs", "wait", payload), check=False, pty=True,
+                                  out_stream=watch, timeout=float(timeout) + STOP_TIMEOUT_S,
+                                  limit=WAIT_OUTPUT_CAP)
     if t.dry_run:
         return {"outcome": "dry-run"}
     verdict = dict(watch.verdict, waited=float(timeout))
@@ -333,8 +353,8 @@ def wait_until_going(t, launched: Launch, timeout: float = DEFAULT_WAIT_S, conso
 def warmup_argv(ct: Container, config: str | None = None, sets: Sequence[str] = ()) -> list[str]:
     """The warm-up: same config, --set values, devices, env and compile caches as `train`.
 
-    container_runs.py's `warmup` verb takes the runs lock shared, then becomes the warm-up (exec)."""
-    return facts.runs_argv(ct, "warmup", {"runs": ct.paths.runs,
+    remote/runs.py's `warmup` verb takes the runs lock shared, then becomes the warm-up (exec)."""
+    return ship.argv(ct, "runs", "warmup", {"runs": ct.paths.runs,
                                           "argv": payload_argv(ct, WARMUP_SCRIPT_NAME, config, sets)})
 
 

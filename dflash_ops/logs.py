@@ -1,68 +1,41 @@
 """`invoke logs`: the last lines of a run's train.log, or follow it until the run ends.
 
-The last lines come from container_runs.py's `logs-tail` verb: it reads at most a window from the
-log's end, so `logs -n 50` costs the same on a 1 GiB log as on a small one. Following runs `tail -F` (survives
-the log being rotated or recreated by a restart of the run) under a watchdog shell in the container, over a
-pty so that Ctrl-C reaches it:
-- Ctrl-C: the pty delivers SIGINT, the watchdog kills its `tail` and exits;
+The last lines come from remote/runs.py's `logs-tail` verb: it reads at most a window from the
+log's end, so `logs -n 50` costs the same on a 1 GiB log as on a small one. Following is its `follow`
+verb: `tail -F` (survives the log being rotated or recreated by a restart of the run) under a Python
+loop in the container that streams each line as JSON (cut to a bounded length) and ends with the run,
+over a pty so that Ctrl-C reaches it:
+- Ctrl-C: the pty delivers SIGINT, the verb kills its `tail` and exits;
 - connection lost: the pty hangs up (SIGHUP), same thing; `tail --pid` also exits on its own
-  once the watchdog is gone, however it died;
+  once the verb is gone, however it died;
 - the run ends (nobody holds the runs lock; after a stop, for END_GRACE_S, so that a restart of
-  the same run is followed): the watchdog stops `tail` and exits.
-Nothing is left in the container in any of these cases.
+  the same run is followed): the verb stops `tail` and answers with the run's state (run_state).
+Nothing is left in the container in any of these cases; here each line is shown as it comes and
+the result keeps only the stream's tail (mux.OutputTail).
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 
-from . import commands, facts, runs, terminal
-from .errors import HostUnreachable, RemoteCommandFailed, RunStateError, UsageError
+from . import runs, terminal
+from .errors import HostUnreachable, RunStateError, UsageError
+from .remote import ship
+from .remote.prelude import LINE_CAP
 
 MARK = "==> dflash-ops:"
 DEFAULT_LINES = 50
-EXIT_INTERRUPTED = 130  # the watchdog's exit on SIGINT (Ctrl-C through the pty)
+EXIT_INTERRUPTED = 130  # the verb's exit on SIGINT (Ctrl-C through the pty)
 # a stopped run gone this long has ended (`invoke stop; invoke train --run NAME` is followed)
 END_GRACE_S = 15
-
-# The follower: `tail -F` must outlive nothing but must follow a file, so it stays shell, under a
-# watchdog that ends it with the run (true while a process of run $2 holds the runs lock).
-# $1 runs  $2 name ("" = latest)  $3 lines  $4 seconds without the run before ending
-FOLLOW_SCRIPT = r'''
-run_alive() {
-  [ "$(cat "$1/.current" 2>/dev/null)" = "$2" ] || return 1
-  flock -n -s -E 99 "$1/.lock" true 2>/dev/null
-  [ $? -eq 99 ]
-}
-runs=$1 name=$2 lines=$3 grace=$4
-[ -n "$name" ] || name=$(cat "$runs/.current" 2>/dev/null)
-[ -n "$name" ] || { echo "dflash: no run yet under $runs"; exit 1; }
-dir=$runs/$name
-[ -d "$dir" ] || { echo "dflash: no run named $name under $runs"; exit 1; }
-echo "==> dflash-ops: run $name"
-tail -n "$lines" -F --pid=$$ -- "$dir/train.log" &
-t=$!
-trap 'kill "$t" 2>/dev/null; exit 130' INT
-trap 'kill "$t" 2>/dev/null; exit 129' HUP
-trap 'kill "$t" 2>/dev/null; exit 143' TERM
-gone=0
-while kill -0 "$t" 2>/dev/null; do
-  if run_alive "$runs" "$name"; then gone=0; else gone=$((gone + 1)); fi
-  # A run that was stopped may be restarted under the same name: wait for that a little longer.
-  limit=1; [ -f "$dir/stopped" ] && limit=$grace
-  [ "$gone" -ge "$limit" ] && break
-  sleep 1
-done
-sleep 1
-kill "$t" 2>/dev/null
-wait "$t" 2>/dev/null
-echo "==> dflash-ops: run $name is not running (exit code: $(cat "$dir/exit_code" 2>/dev/null || echo none))"
-'''
+FOLLOW_LINE_CAP = 1 << 16  # characters of one streamed JSON line kept; longer ones are not the verb's
+TAIL_TIMEOUT_S = 30.0
 
 
-def follow_argv(runs: str, run: str | None, lines: int) -> list[str]:
-    return commands.sh_script(FOLLOW_SCRIPT, runs, run or "", str(int(lines)), str(END_GRACE_S))
+def follow_payload(runs: str, run: str | None, lines: int) -> dict:
+    return {"runs": runs, "name": run, "lines": int(lines), "grace": END_GRACE_S}
 
 
 class LogPrinter(terminal.LineSink):
@@ -79,27 +52,29 @@ class LogPrinter(terminal.LineSink):
         self.interrupted = False
         self.findings: dict = {}
 
+    def _print(self, text: str) -> None:
+        print(text, file=self.out or sys.stdout, flush=True)
+
+    def started(self, run: str) -> None:
+        self.run = terminal.visible(run)[:200]
+        self._print(f"{MARK} run {self.run}")
+
+    def finished(self, answer: dict) -> None:
+        code = answer.get("exit_code") if isinstance(answer.get("exit_code"), str) else None
+        self.ended = f"run {self.run} is not running (exit code: {terminal.visible(code or 'none')[:40]})"
+        self._print(f"{MARK} {self.ended}")
+
     def line(self, line: str) -> None:
         out = self.out or sys.stdout
         shown = line if self.raw else terminal.visible(line)
-        if line == "^C":  # the pty's echo of our Ctrl-C
-            return
-        if line.startswith(MARK):
-            rest = line[len(MARK):].strip()
-            if rest.startswith("run ") and self.run is None:
-                self.run = terminal.visible(rest[4:].split(" ", 1)[0])
-            elif " is not running" in rest:
-                self.ended = terminal.visible(rest)
-            print(shown, file=out, flush=True)
-            return
         sig = runs.match(line)
         if sig is None:
-            print(shown, file=out, flush=True)
+            self._print(shown)
             return
         self.findings[sig.key] = (sig, line)
         red, reset = ("\x1b[1;31m", "\x1b[0m") if getattr(out, "isatty", lambda: False)() else ("", "")
-        print(f"{red}{shown}{reset}", file=out, flush=True)
-        print(f"{red}>>> {runs.advice(sig)}{reset}", file=out, flush=True)
+        self._print(f"{red}{shown}{reset}")
+        self._print(f"{red}>>> {runs.advice(sig)}{reset}")
 
     def summary(self) -> list[str]:
         return [runs.advice(sig) for sig, _ in self.findings.values()]
@@ -112,6 +87,48 @@ class LogPrinter(terminal.LineSink):
         findings = "; ".join(self.summary())
         ended = self.ended or f"run {self.run}"
         return ended + (f"; {findings}" if findings else "")
+
+
+class FollowStream(terminal.LineSink):
+    """The follow verb's JSON lines (over a pty) -> the printer; keeps its answer, nothing else."""
+
+    def __init__(self, printer: LogPrinter):
+        self.printer = printer
+        self.answer: dict | None = None
+        self._parts: list[str] = []
+        self._size = 0
+
+    def write(self, data: str) -> int:
+        """Linear in the data whatever its lines' length: a line past FOLLOW_LINE_CAP is dropped."""
+        pieces = data.replace("\r", "").split("\n")
+        for i, piece in enumerate(pieces):
+            if self._size <= FOLLOW_LINE_CAP:
+                self._parts.append(piece)
+                self._size += len(piece)
+            if i < len(pieces) - 1:
+                text = "".join(self._parts) if self._size <= FOLLOW_LINE_CAP else ""
+                self._parts, self._size = [], 0
+                self.line(text)
+        return len(data)
+
+    def close(self) -> None:
+        if self._parts and self._size <= FOLLOW_LINE_CAP:
+            self.line("".join(self._parts))
+        self._parts, self._size = [], 0
+
+    def line(self, raw: str) -> None:
+        try:
+            item = json.loads(raw) if raw.strip() else None
+        except (ValueError, RecursionError):
+            item = None
+        if not isinstance(item, dict):
+            return  # the pty's echo of ^C, or noise
+        if "ok" in item or "error" in item:
+            self.answer = item
+        elif isinstance(item.get("line"), str):
+            self.printer.line(item["line"][:LINE_CAP])
+        elif isinstance(item.get("run"), str) and self.printer.run is None:
+            self.printer.started(item["run"])
 
 
 class LabelledLines(terminal.LineSink):
@@ -144,42 +161,49 @@ def show(t, run: str | None = None, lines: int = DEFAULT_LINES, follow: bool = F
     printer = LogPrinter(out=out, raw=raw)
     if not follow:
         return _last_lines(t, name, int(lines), printer)
-    # A pty: Ctrl-C and hang-ups must reach the remote tail.
-    result = t.session.exec(ct, follow_argv(ct.paths.runs, name, lines), check=False, pty=True,
-                            out_stream=printer)
-    printer.close()
+    # A pty: Ctrl-C and hang-ups must reach the verb. Of the stream only its tail is kept (mux.OutputTail).
+    stream = FollowStream(printer)
+    result = t.session.run_in(ct, ship.line(ct, "runs", "follow", follow_payload(ct.paths.runs, name, lines)),
+                              check=False, pty=True, out_stream=stream)
+    stream.close()
     if t.dry_run:
         return printer
-    if printer.run is None and "dflash: no run" in result.stdout:  # said before any line of the log
-        message = [ln for ln in result.stdout.split("\n") if "dflash: no run" in ln][-1].strip()
-        raise RunStateError(f"{ct.label}: {terminal.visible(message.removeprefix('dflash: '))}; "
-                            f"start one with `invoke train`")
-    if printer.ended is None:
+    answer = stream.answer
+    if answer is not None and "error" in answer:
+        try:
+            ship.answer(json.dumps(answer), f"{ct.label}: logs")
+        except ship.Refusal as refusal:
+            if refusal.kind == "no-run":
+                raise RunStateError(f"{refusal}; start one with `invoke train`") from None
+            ship.raise_common(refusal)
+    if answer is None or not isinstance(answer.get("ok"), dict):
         if result.exited == EXIT_INTERRUPTED:
             printer.interrupted = True
             return printer
         raise HostUnreachable(f"{ct.label}: following the log of run {printer.run or name} ended early "
                               f"(exit {result.exited}): the connection was lost or the follower was killed; "
                               f"nothing is left running in the container: run `invoke logs --follow` again")
+    printer.finished(answer["ok"])
     return printer
 
 
 def _last_lines(t, name: str | None, lines: int, printer: LogPrinter) -> LogPrinter:
     """One round trip: the log's last `lines` lines, read from its end in the container."""
     ct = t.container
-    result = t.session.run_in(ct, facts.runs_line(ct, "logs-tail", {"runs": ct.paths.runs, "name": name,
-                                                                     "lines": lines}))
+    payload = {"runs": ct.paths.runs, "name": name, "lines": lines}
+    try:
+        answer = ship.call(t, "runs", "logs-tail", payload, timeout=TAIL_TIMEOUT_S, what="logs")
+    except ship.Refusal as refusal:
+        if refusal.kind == "no-run":
+            raise RunStateError(f"{refusal}; start one with `invoke train`") from None
+        ship.raise_common(refusal)
     if t.dry_run:
         return printer
-    answer = facts.parse_json_line(result.stdout, f"{ct.label}: logs")
-    if answer.get("error") == "no-run":
-        raise RunStateError(f"{ct.label}: {terminal.visible(str(answer.get('message')))[:300]}; "
-                            f"start one with `invoke train`")
-    if answer.get("error") or not isinstance(answer.get("lines"), list):
-        raise RemoteCommandFailed(f"{ct.label}: reading the log failed: "
-                                  f"{terminal.visible(str(answer.get('message')))[:300]}")
+    got = answer.get("lines") if isinstance(answer, dict) else None
+    if not isinstance(got, list):
+        raise ship.BadAnswer(f"{ct.label}: logs: the answer's field 'lines' is not a list")
     run = answer.get("run") if isinstance(answer.get("run"), str) else "?"
-    printer.line(f"{MARK} run {run[:200]}")  # .current's text: the printer shows it visibly
-    for line in answer["lines"]:
-        printer.line(line if isinstance(line, str) else "")
+    printer.started(run)  # .current's text: the printer shows it visibly
+    for line in got:
+        printer.line(line[:LINE_CAP] if isinstance(line, str) else "")
     return printer

@@ -13,11 +13,13 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from . import facts, runs, terminal
-from .errors import RemoteCommandFailed, RunStateError
+from . import runs, terminal
+from .errors import RunStateError
+from .remote import ship
 from .status import fmt
 
-MAX_ANSWER = 64 << 20  # container_runs sends at most 16 MiB of each file
+MAX_ANSWER = 64 << 20  # remote/runs.py sends at most 16 MiB of each file, JSON-escaped
+METRICS_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -65,13 +67,16 @@ def _record(line) -> dict | None:
     return record if isinstance(record.get("step", 0), (int, type(None))) else None
 
 
-def parse_metrics(text: str, run: str = "") -> RunMetrics:
-    """container_runs.metrics's answer -> RunMetrics. Pure; a torn or foreign line is counted, not fatal.
+def parse_metrics(text: str, run: str = "", where: str = "metrics") -> RunMetrics:
+    """remote/runs.py metrics's answer -> RunMetrics. Pure; a torn or foreign line is counted, not fatal.
 
     Every value is checked: numbers must be finite, lists flat; anything else becomes None (shown '-').
     """
-    answer = facts.json_answer(text, "metrics", MAX_ANSWER)
-    out = RunMetrics(run or str(answer.get("run") or "")[:64])
+    answer = ship.answer(text, where, MAX_ANSWER)
+    if not isinstance(answer, dict):
+        raise ship.BadAnswer(f"{where}: the answer is not an object")
+    latest = answer.get("run") if isinstance(answer.get("run"), str) else ""
+    out = RunMetrics(run or latest[:64])
     left_out = answer.get("metrics_left_out")
     out.left_out = left_out if isinstance(left_out, int) and not isinstance(left_out, bool) else 0
     for section in ("metrics", "evals"):
@@ -98,21 +103,18 @@ def fetch(t, run: str | None = None) -> RunMetrics | None:
     """Read run `run` (default: the latest) from the container in one round trip; None in a dry run."""
     ct = t.container
     name = runs.validate_run_name(run) if run is not None else None
-    result = t.session.run_in(ct, facts.runs_line(ct, "metrics", {"runs": ct.paths.runs, "name": name}))
+    payload = {"runs": ct.paths.runs, "name": name, "deadline_s": METRICS_TIMEOUT_S}
+    result = ship.run(t, ship.line(ct, "runs", "metrics", payload), f"{ct.label}: metrics",
+                      timeout=METRICS_TIMEOUT_S + 5, cap=MAX_ANSWER)
     if t.dry_run:
         return None
-    answer = facts.parse_json_line(result.stdout, f"{ct.label}: metrics")
-    if answer.get("error") == "no-run":
-        raise RunStateError(f"{ct.label}: {str(answer.get('message'))[:300]}; `invoke status` names "
-                            "the latest run")
-    if answer.get("error"):
-        raise RemoteCommandFailed(f"{ct.label}: reading metrics failed: {str(answer.get('message'))[:300]}")
     try:
-        latest = answer.get("run") if isinstance(answer.get("run"), str) else "?"
-        # .current's text: the table shows it visibly
-        return parse_metrics(result.stdout, name or latest[:200])
-    except ValueError as exc:
-        raise RemoteCommandFailed(f"{ct.label}: {exc}") from None
+        out = parse_metrics(result.stdout, name or "", f"{ct.label}: metrics")
+    except ship.Refusal as refusal:
+        if refusal.kind == "no-run":
+            raise RunStateError(f"{refusal}; `invoke status` names the latest run") from None
+        raise
+    return out
 
 
 # --- the table ------------------------------------------------------------------------------------

@@ -160,12 +160,17 @@ class OutputTail(list):
             self.size = len(tail)
 
 
+class TooLarge(Exception):
+    """The command wrote more than the caller's limit: it was ended (the client closed its end)."""
+
+
 class _Output:
     """A command's output as the frames bring it: decoded per stream (one incremental UTF-8 decoder
     each), kept (only its tail, OutputTail, where a callback takes it as it comes), and handed to
     the callbacks as it comes."""
 
-    def __init__(self, on_out, on_err):
+    def __init__(self, on_out, on_err, limit: int | None = None):
+        self.limit, self.sizes = limit, {b"o": 0, b"e": 0}
         self.decoders = {b"o": codecs.getincrementaldecoder("utf-8")("replace"),
                          b"e": codecs.getincrementaldecoder("utf-8")("replace")}
         self.sinks = {b"o": on_out, b"e": on_err}
@@ -173,6 +178,9 @@ class _Output:
                                               for k, sink in self.sinks.items()}
 
     def add(self, kind: bytes, data: bytes, final: bool = False) -> None:
+        self.sizes[kind] += len(data)
+        if self.limit is not None and self.sizes[kind] > self.limit:
+            raise TooLarge(f"more than {self.limit} bytes on std{'out' if kind == b'o' else 'err'}")
         text = self.decoders[kind].decode(data, final=final)
         if text:
             self.parts[kind].append(text)
@@ -193,11 +201,12 @@ def _wait(sock: socket.socket, deadline: float | None) -> None:
             raise TimeoutError
 
 
-def run(path: Path, line: str, *, on_out=None, on_err=None, timeout: float | None = None):
+def run(path: Path, line: str, *, on_out=None, on_err=None, timeout: float | None = None,
+        limit: int | None = None):
     """Run `line` through the master at `path`: (stdout, stderr, exited), or None when no master
     answers there. Output is decoded as UTF-8 (invalid bytes replaced) and handed to on_out/on_err as
-    it comes (then the result keeps its tail only, OutputTail). Raises Refused, Lost, or TimeoutError
-    (the command was ended)."""
+    it comes (then the result keeps its tail only, OutputTail). Raises Refused, Lost, TimeoutError,
+    or TooLarge (`limit` bytes passed on stdout or stderr); the command was ended."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(str(path))
@@ -205,7 +214,7 @@ def run(path: Path, line: str, *, on_out=None, on_err=None, timeout: float | Non
         sock.close()
         return None
     deadline = None if timeout is None else time.monotonic() + timeout
-    output = _Output(on_out, on_err)
+    output = _Output(on_out, on_err, limit)
     started = False
     with sock:
         try:

@@ -147,12 +147,23 @@ PLAN_SCRIPT = "plan_layout.py"
 PLAN_FILE = "plan.json"  # in paths.runs: the last measurement, which doctor compares the layout with
 
 
+MAX_GPUS = 64  # more devices than any one host has: a plan.json naming more is not a measurement
+
+
 def measured_from(record: dict, gpus: int | None = None) -> Measured:
-    return Measured(gpus=gpus or int(record["gpus"]), target_tok_s=float(record["target_tok_s"]),
-                    drafter_tok_s=float(record["drafter_tok_s"]),
-                    weights_gib=float(record["weights_gib"]),
-                    activations_gib=float(record["activations_gib"]),
-                    device_gib=float(record["device_gib"]))
+    """plan.json's measurement (the container's file: every field checked); ValueError naming the field."""
+    def number(name: str) -> float:
+        value = record.get(name) if isinstance(record, dict) else None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1e15:
+            raise ValueError(f"plan.json: field {name!r} is not a measured number")
+        return float(value)
+
+    gpus = gpus or (record.get("gpus") if isinstance(record, dict) else None)
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or not 0 <= gpus <= MAX_GPUS:
+        raise ValueError(f"plan.json: field 'gpus' is not a GPU count (0 to {MAX_GPUS})")
+    return Measured(gpus=gpus, target_tok_s=number("target_tok_s"), drafter_tok_s=number("drafter_tok_s"),
+                    weights_gib=number("weights_gib"), activations_gib=number("activations_gib"),
+                    device_gib=number("device_gib"))
 
 
 def plan_argv(ct, config: str | None = None, sets=()) -> list[str]:

@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import datetime as _dt
 import re
-import signal as _signal
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from . import terminal
 from .errors import UsageError
+from .remote.prelude import describe_exit  # noqa: F401 - the one wording of an exit, the container's too
 
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-LOCK = ".lock"
-CURRENT = ".current"
 
 
 # --- names and paths ---------------------------------------------------------------------------------
@@ -47,33 +45,7 @@ def run_dir(ct, name: str) -> str:
     return f"{ct.paths.runs}/{validate_run_name(name)}"
 
 
-def lock_path(ct) -> str:
-    """The runs lock: held by every process of the alive run. A cleaner may `flock -n` it
-    to exclude launches."""
-    return f"{ct.paths.runs}/{LOCK}"
-
-
-def current_path(ct) -> str:
-    """The file naming the run that last took the lock."""
-    return f"{ct.paths.runs}/{CURRENT}"
-
-
 # --- how a run ended ---------------------------------------------------------------------------------
-
-def describe_exit(code: str | None) -> str:
-    """`signal 9` -> `killed by signal 9 (SIGKILL)`; `3` -> `exit 3`."""
-    if code is None:
-        return "no exit code recorded (its wrapper was killed too, or the container restarted)"
-    if code.startswith("signal "):
-        parts = code.split()
-        num = int(parts[1]) if len(parts) > 1 and re.fullmatch(r"-?\d{1,19}", parts[1]) else None
-        try:
-            name = _signal.Signals(num).name
-        except (TypeError, ValueError):
-            name = "?"
-        return f"killed by signal {num} ({name})"
-    return f"exit {code}"
-
 
 WRAPPER_LINE = re.compile(r"^dflash-ops: (launch |training process \d+ ended)")
 ERROR_LINE = re.compile(r"error|exception|killed|fatal|denied|no space|not found", re.I)

@@ -1,9 +1,11 @@
-"""`invoke status`: one round trip to container_runs.py's `status` verb, and a strict parser of its answer.
+"""`invoke status`: one round trip to remote/runs.py's `status` verb, and a strict parser of its answer.
 
-The answer is one JSON object (container_runs.status): `now` (container clock), `name` (--run, or
-the latest), `free_runs` / `free_shm` (bytes free on paths.runs and /dev/shm, with or without a
-run), `exists`, `alive` (a process of the run holds the runs lock), `files` (pid, pgid, started,
-ended, exit_code, stopped, code_version: their first 300 bytes), `mtime_log`, `mtime_metrics`,
+The answer (remote/runs.py status, read by ship.answer) is one JSON object: `now` (container clock),
+`name` (--run, or the latest), `free_runs` / `free_shm` (bytes free on paths.runs and /dev/shm,
+with or without a run), `exists`, `state` and `detail` (the prelude's run_state, the one state
+machine of a run: running, stalled, finished, crashed, stopped), `alive` (a process of the run holds
+the runs lock), `idle_s` (seconds since the last log line or metric), `files` (pid, pgid, started,
+ended, exit_code, stopped, code_version: their first 300 bytes),
 `free` (bytes free where the run dir is), `checkpoint` (checkpoints/latest's text and mtime),
 `metrics` (the last metrics.jsonl lines), `eval` (eval.json's text, when at most 20 kB), `data`
 (data.json's first 4000 bytes: what training found about its data), `log` (the last train.log
@@ -19,12 +21,15 @@ import math
 import re
 from dataclasses import asdict, dataclass, field
 
-from . import facts, fanout, runs, terminal
-from .runs import describe_exit, last_error_line
+from . import fanout, runs, terminal
+from .remote import ship
+from .remote.prelude import STATES
+from .runs import last_error_line
 
 DEFAULT_STALL_AFTER = 600
 LOW_SPACE = 1 << 20  # bytes free on the run directory's filesystem below which it counts as full
 MAX_ANSWER = 8 << 20  # the verb's answer is a few kB; anything this big is not one
+STATUS_TIMEOUT_S = 15.0  # the status verb's deadline (nvidia-smi gets 10 s of it)
 
 
 @dataclass
@@ -115,17 +120,22 @@ def _gpu(text: str) -> Gpu | None:
     return Gpu(*(_int(p) for p in parts))
 
 
-def load_answer(text: str) -> dict:
-    """The verb's stdout -> its JSON object; ValueError (one line) for anything else."""
-    answer = facts.json_answer(text, "status facts are incomplete", MAX_ANSWER)
-    if "error" in answer:
-        raise ValueError(f"status failed in the container: {_text(answer.get('message'), 300)}")
+def load_answer(text: str, where: str = "status") -> dict:
+    """The verb's stdout -> its answer object (ship.answer); BadAnswer (a ValueError, one line) or
+    Refusal otherwise."""
+    answer = ship.answer(text, where, MAX_ANSWER)
+    if not isinstance(answer, dict):
+        raise ship.BadAnswer(f"{where}: the answer is not an object")
     return answer
 
 
-def parse_status(text: str, stall_after: float = DEFAULT_STALL_AFTER) -> RunStatus:
-    """container_runs.status's answer -> RunStatus. Pure; tested on recorded and on arbitrary answers."""
-    facts_ = load_answer(text)
+ALIVE = ("running", "stalled")
+
+
+def parse_status(text: str, where: str = "status") -> RunStatus:
+    """remote/runs.py status's answer -> RunStatus. Pure; tested on recorded and on arbitrary answers.
+    The state is the container's run_state: taken only if it is one of the states, else BadAnswer."""
+    facts_ = load_answer(text, where)
     gpus, gpu_errors = [], []
     for line in _texts(facts_.get("gpus"), 400, 64):
         g = _gpu(line)
@@ -136,6 +146,10 @@ def parse_status(text: str, stall_after: float = DEFAULT_STALL_AFTER) -> RunStat
                    free_runs=_int(facts_.get("free_runs")), free_shm=_int(facts_.get("free_shm")))
     if facts_.get("exists") is not True:
         return st
+    state = facts_.get("state")
+    if state not in STATES or state in ("none", "missing"):
+        raise ship.BadAnswer(f"{where}: the answer's field 'state' is not a run state")
+    st.state, st.detail = state, (_text(facts_.get("detail"), 300) or "")
     files = facts_.get("files") if isinstance(facts_.get("files"), dict) else {}
     file = {k: _text(files.get(k), 300)
             for k in ("pid", "started", "ended", "exit_code", "stopped", "code_version")}
@@ -145,9 +159,8 @@ def parse_status(text: str, stall_after: float = DEFAULT_STALL_AFTER) -> RunStat
     st.pid = _int(file["pid"])
     st.exit_code = file["exit_code"]
     st.code_version = file["code_version"]
-    activity = [m for m in (_int(facts_.get("mtime_log")), _int(facts_.get("mtime_metrics")), started) if m]
-    if now is not None and activity:
-        st.idle_s = max(0, now - max(activity))
+    idle = _int(facts_.get("idle_s"))
+    st.idle_s = idle if idle is not None and idle >= 0 else None
     _apply_metrics(st, _texts(facts_.get("metrics"), 1 << 16, 200))
     st.last_eval = _last_eval(facts_.get("eval"))
     st.data_warnings = _data_warnings(facts_.get("data"))
@@ -160,33 +173,14 @@ def parse_status(text: str, stall_after: float = DEFAULT_STALL_AFTER) -> RunStat
         sig = next(s for s in runs.SIGNATURES if s.key == "disk-full")
         st.findings.append({"key": sig.key, "title": sig.title, "runbook": sig.runbook,
                             "line": f"{free} bytes free on the run directory's filesystem"})
-
-    if facts_.get("alive") is True:
+    if state in ALIVE:
         st.uptime_s = now - started if now is not None and started else None
-        if st.idle_s is not None and st.idle_s > stall_after:
-            st.state = "stalled"
-            st.detail = f"no new log line or metric for {st.idle_s} s (threshold {stall_after:g} s)"
+        if state == "stalled":
             sig = runs.STALLED
             st.findings.append({"key": sig.key, "title": sig.title, "runbook": sig.runbook, "line": ""})
-        else:
-            st.state = "running"
         return st
     if started and ended:
         st.uptime_s = ended - started
-    stopped = file["stopped"]
-    if stopped is not None:
-        st.state = "stopped"
-        how = stopped.split()[0] if stopped.split() else ""
-        st.detail = {"term": "stopped with SIGTERM", "kill": "stopped with SIGKILL after the grace period",
-                     "requested": "stop was requested"}.get(how, f"stopped ({stopped})")
-        if st.exit_code is not None:
-            st.detail += f", {describe_exit(st.exit_code)}"
-    elif st.exit_code == "0":
-        st.state, st.detail = "finished", "exit 0"
-    elif st.pid is None and st.exit_code is None:
-        st.state, st.detail = "crashed", "the training process never started"
-    else:
-        st.state, st.detail = "crashed", describe_exit(st.exit_code)
     if st.state == "crashed":
         st.last_error = last_error_line(logs)
     return st
@@ -272,23 +266,22 @@ def describe_eval(last: dict) -> str:
             f"{last.get('prompts')} prompts)")
 
 
-def status_line(ct, run: str | None) -> str:
-    return facts.runs_line(ct, "status", {"runs": ct.paths.runs, "name": run})
+def status_payload(ct, run: str | None, stall_after: float = DEFAULT_STALL_AFTER) -> dict:
+    return {"runs": ct.paths.runs, "name": run, "stall_after": float(stall_after)}
 
 
 def gather(t, run: str | None = None, stall_after: float = DEFAULT_STALL_AFTER) -> RunStatus | None:
-    """One round trip: the facts of --run (or the latest run) and the GPUs. None in a dry run."""
-    from .errors import RemoteCommandFailed
-
+    """One round trip within STATUS_TIMEOUT_S: the facts of --run (or the latest run), its state and
+    the GPUs. None in a dry run. A bad answer: one line naming the container and the field."""
     ct = t.container
     name = runs.validate_run_name(run) if run is not None else None
-    result = t.session.run_in(ct, status_line(ct, name))
+    where = f"{ct.label}: status"
+    payload = dict(status_payload(ct, name, stall_after), deadline_s=STATUS_TIMEOUT_S)
+    result = ship.run(t, ship.line(ct, "runs", "status", payload), where, timeout=STATUS_TIMEOUT_S + 5,
+                      cap=MAX_ANSWER)
     if t.dry_run:
         return None
-    try:
-        return parse_status(result.stdout, stall_after)
-    except ValueError as exc:
-        raise RemoteCommandFailed(f"{ct.label}: {exc}") from None
+    return parse_status(result.stdout, where)
 
 
 STATE_STYLE = {"running": "green", "finished": "bold green", "stalled": "bold yellow", "crashed": "bold red",

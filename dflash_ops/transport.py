@@ -33,6 +33,7 @@ from .errors import (
     RemoteCommandFailed,
     SudoRefused,
     UnsafeValue,
+    UntrustedData,
     UsageError,
 )
 from .inventory import Container, Host
@@ -55,6 +56,18 @@ STOP_SETTLE_EVERY_S = 0.25
 STDERR_TAIL_LINES = 5
 
 
+class OutputTooLarge(Exception):
+    """A command wrote more than its caller's limit; reading stopped there (inside the runner)."""
+
+
+class AnswerTooLarge(UntrustedData):
+    """What the caller gets for it: the command was ended, nothing past `limit` was read."""
+
+    def __init__(self, message: str, limit: int):
+        super().__init__(message)
+        self.limit = limit
+
+
 @functools.cache
 def linear_remote():
     """fabric's Remote runner, two things mended. Invoke's runner joins the whole captured output on
@@ -62,7 +75,8 @@ def linear_remote():
     give it no watchers, so skip that. And it decodes each 1000-byte read on its own: a multi-byte
     UTF-8 character cut by a read's end came out as two U+FFFD; one incremental decoder per stream
     keeps it whole. Output shown as it comes (an out_stream) is kept in the result by its tail only
-    (mux.OutputTail): following a log holds bounded memory whatever it prints."""
+    (mux.OutputTail): following a log holds bounded memory whatever it prints. A connection's
+    `output_limit` (bytes per stream) ends the reading there."""
     import codecs
 
     from fabric.runners import Remote
@@ -83,7 +97,11 @@ def linear_remote():
 
         def read_proc_output(self, reader):
             decoder = codecs.getincrementaldecoder(self.encoding)("replace")
+            limit, size = getattr(self.context, "output_limit", None), 0
             while data := reader(self.read_chunk_size):
+                size += len(data)
+                if limit is not None and size > limit:
+                    raise OutputTooLarge(f"more than {limit} bytes of output")
                 if text := decoder.decode(data):
                     yield text
             if text := decoder.decode(b"", final=True):
@@ -305,8 +323,12 @@ class HostSession:
         if not mux.answers(path):
             mux.start_master(self.host, self.jump, mux.persist_seconds(self.host), path)
 
+    def _too_large(self, line: str, limit: int) -> AnswerTooLarge:
+        return AnswerTooLarge(f"{self.host.name}: the command wrote more than {limit} bytes: refused unread "
+                              f"and ended: {self.shown(line)[:120]}", limit)
+
     def _run_shared(self, line: str, *, show: bool, timeout: float | None, out_stream,
-                    err_stream) -> Result | None:
+                    err_stream, limit: int | None = None) -> Result | None:
         """`line` through the master (one round trip), or None: no master took it."""
         path = self.shared_path()
         if path is None:
@@ -319,9 +341,12 @@ class HostSession:
 
         try:
             got = mux.run(path, line, on_out=shown_on(out_stream), on_err=shown_on(err_stream),
-                          timeout=timeout)
+                          timeout=timeout, limit=limit)
         except mux.Refused:
             return None
+        except mux.TooLarge:
+            self.round_trips += 1
+            raise self._too_large(line, limit) from None
         except TimeoutError:
             self.round_trips += 1
             raise RemoteCommandFailed(f"{self.host.name}: command timed out after {timeout:g} s: "
@@ -345,8 +370,10 @@ class HostSession:
         return commands.mask(line, self.secrets)
 
     def run(self, line: str, *, stream: bool = False, check: bool = True, timeout: float | None = None,
-            pty: bool = False, out_stream=None, err_stream=None) -> Result:
-        """Run one host command line (one round trip). `check` raises RemoteCommandFailed on non-zero."""
+            pty: bool = False, out_stream=None, err_stream=None, limit: int | None = None) -> Result:
+        """Run one host command line (one round trip). `check` raises RemoteCommandFailed on non-zero.
+        `limit`: bytes of stdout (and of stderr) read at most; past it the command is ended and
+        UntrustedData raised, before anything of it is parsed."""
         size = len(line.encode("utf-8", "surrogateescape"))
         if size > MAX_LINE_BYTES:
             raise UnsafeValue(f"{self.host.name}: the command line would be {size} bytes, more than the "
@@ -362,10 +389,10 @@ class HostSession:
         result = None
         if not pty and self._conn is None:
             result = self._run_shared(line, show=not hide, timeout=timeout, out_stream=out_stream,
-                                      err_stream=err_stream)
+                                      err_stream=err_stream, limit=limit)
         if result is None:
             result = self._run_own(line, hide=hide, timeout=timeout, pty=pty, out_stream=out_stream,
-                                   err_stream=err_stream)
+                                   err_stream=err_stream, limit=limit)
         if check and not result.ok:
             raise RemoteCommandFailed(
                 f"{self.host.name}: exit {result.exited}: "
@@ -374,16 +401,22 @@ class HostSession:
         return result
 
     def _run_own(self, line: str, *, hide: bool, timeout: float | None, pty: bool, out_stream,
-                 err_stream) -> Result:
+                 err_stream, limit: int | None = None) -> Result:
         import paramiko
-        from invoke.exceptions import CommandTimedOut
+        from invoke.exceptions import CommandTimedOut, ThreadException
 
         conn = self.connect()
         self.round_trips += 1
+        conn.output_limit = limit  # read by linear_remote's reader threads
+        started = time.monotonic()
         try:
             r = conn.run(line, hide=hide, warn=True, pty=pty, timeout=timeout,
                          in_stream=False,  # stdin is polled byte by byte: files go over SFTP instead
                          out_stream=out_stream, err_stream=err_stream)
+        except ThreadException as exc:
+            if any(isinstance(e.value, OutputTooLarge) for e in exc.exceptions):
+                raise self._too_large(line, limit) from None
+            raise
         except CommandTimedOut:
             raise RemoteCommandFailed(f"{self.host.name}: command timed out after {timeout:g} s: "
                                       f"{self.shown(line)[:200]}") from None
@@ -391,6 +424,10 @@ class HostSession:
             self._conn = None
             raise HostUnreachable(f"connection to {self.host.name} lost: "
                                   f"{exc or type(exc).__name__}") from None
+        if r.exited == -1 and timeout is not None and time.monotonic() - started >= timeout:
+            # the runner's timer closed the channel: no exit status, and not a lost connection
+            raise RemoteCommandFailed(f"{self.host.name}: command timed out after {timeout:g} s: "
+                                      f"{self.shown(line)[:200]}")
         return Result(line=line, stdout=r.stdout, stderr=r.stderr, exited=r.exited)
 
     def exec(self, ct: Container, argv: Sequence[str], *, env: Mapping[str, str] | None = None,

@@ -19,8 +19,8 @@ REPO = Path(__file__).resolve().parents[1]
 # the script that makes the tiny target, the deploy that runs both and records the torch check, and
 # this file. A template kept between runs is used only while all of them are unchanged.
 TEMPLATE_INPUTS = ("remote_scripts/requirements.txt", "remote_scripts/make_tiny_target.py",
-                   "dflash_ops/deploy.py", "dflash_ops/facts.py", "dflash_ops/container_facts.py",
-                   "tests/ct_template.py")
+                   "dflash_ops/deploy.py", "dflash_ops/remote/ship.py", "dflash_ops/remote/prelude.py",
+                   "dflash_ops/remote/facts.py", "tests/ct_template.py")
 
 
 def template_key() -> str:

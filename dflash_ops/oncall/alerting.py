@@ -61,8 +61,9 @@ def check(select, run) -> Report:
     try:
         th, targets = select()
         rows = collect(targets, run, th.stall_after)
-    except DflashOpsError as exc:
-        return Report(f"UNKNOWN - {visible(str(exc))}", exit_with=monitoring.UNKNOWN)
+    except Exception as exc:  # noqa: BLE001 - a failure of the check itself is UNKNOWN, never OK or WARNING
+        said = str(exc) if isinstance(exc, DflashOpsError) else repr(exc)
+        return Report(f"UNKNOWN - {visible(said)}", exit_with=monitoring.UNKNOWN)
     if any(t.dry_run for t in targets):
         return Report(exit_with=monitoring.OK)
     code, text = monitoring.report([_verdict(t, st, error, th) for t, st, error in rows])

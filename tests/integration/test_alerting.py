@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from training_runs import LONG, REPO, deployed  # noqa: F401 (deployed: the module's container)
 
-from dflash_ops.facts import human_bytes
+from dflash_ops.remote.readings import human_bytes
 
 pytestmark = pytest.mark.integration
 SECRET_URL_PARTS = ("hunter2", "T0001", "B0002", "SECRETtoken")

@@ -14,8 +14,10 @@ import yaml
 from deployed_box import deployed_box
 from waiting import wait_for
 
-from dflash_ops import container_facts, deploy, facts
+from dflash_ops import deploy
 from dflash_ops.errors import RemoteCommandFailed
+from dflash_ops.remote import facts as container_facts
+from dflash_ops.remote import ship
 
 pytestmark = pytest.mark.integration
 QUIET = {"echo": lambda msg: None}
@@ -198,8 +200,7 @@ def test_interrupted_deploy_keeps_the_previous_release_whole_and_runnable(box, t
     big.write_bytes(big.read_bytes() + b'{"note": "changed"}\n')
     (tree_copy / "remote_scripts" / "train_config.py").write_text("raise SystemExit('half-deployed')\n")
     local = deploy.local_tree(tree_copy)
-    probe = facts.parse_json_line(t.session.run_in(t.container,
-                                                   facts.facts_line(t.container, ("code",))).stdout, "t")
+    probe = ship.facts(t, ("code",))
     plan = deploy.make_plan({r: f.sha256 for r, f in local.items()}, probe["code"])
     assert set(plan.changed) == {"data/train.jsonl", "train_config.py"}
     data = deploy.pack(local, plan.changed, deploy.manifest_bytes(local, plan.tree))

@@ -17,7 +17,7 @@ def live_run(deployed):
 
 
 def follower_processes(deployed):
-    return [p for p in deployed.processes() if p.startswith("tail ") or "run_alive()" in p]
+    return [p for p in deployed.processes() if p.startswith("tail ") or " follow {" in p]
 
 
 def start_following(deployed, run):
@@ -114,7 +114,7 @@ def sshd_session_of(deployed):
         except OSError:
             continue
         if cmd.startswith(f"{deployed.sandbox.pct} exec 200 ") or f" {deployed.sandbox.pct} exec 200 " in cmd:
-            if "tail -n" in cmd:
+            if " follow {" in cmd:  # the runs helper's follow verb
                 p = int(entry)
                 while p > 1:
                     if cmdline(p).startswith("sshd: root@"):

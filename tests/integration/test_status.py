@@ -70,7 +70,7 @@ def test_dry_run_prints_the_one_line_and_connects_to_nothing(deployed, tmp_path)
     assert argv[:6] == ["env", "LC_ALL=C.UTF-8", str(deployed.sandbox.pct), "exec", "200", "--"]
     inner = argv[argv.index("dflash-session") + 1:]  # under the session wrapper: the container's command
     assert inner[:3] == ["env", "-i", "--"] or inner[:2] == ["env", "-i"], inner
-    assert inner[-2] == "status" and inner[-1].startswith("{")  # container_runs.py's status verb
+    assert inner[-2] == "status" and inner[-1].startswith("{")  # remote/runs.py's status verb
 
 
 def test_a_run_on_answers_not_from_its_target_is_flagged_in_status_and_refused_on_request(deployed):

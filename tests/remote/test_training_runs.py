@@ -205,12 +205,12 @@ def test_fast_paths_off_is_recorded_and_trains_the_same_run(tiny_target, tmp_pat
 
 
 def test_the_first_step_of_every_launch_is_logged_in_the_line_the_launch_waits_for(tiny_target, tmp_path):
-    """`invoke train` waits for the first line matching container_runs.STEP. With log_every far
+    """`invoke train` waits for the first line matching remote/runs.py STEP. With log_every far
     beyond the run, that line must still be step 1's (and, after a resume, the first resumed
     step's), not the next multiple of log_every nor the stop step."""
     import re
 
-    from dflash_ops.container_runs import READY, STEP
+    from dflash_ops.remote.runs import READY, STEP
 
     run = str(tmp_path / "run")
     quiet = (*QUICK, "train.log_every=1000")

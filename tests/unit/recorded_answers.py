@@ -1,14 +1,17 @@
-"""Recorded container outputs of the line-based fact scripts (before container_runs.py), turned into
-the JSON answers container_runs.py's verbs give for the same run directories, so that the recorded
+"""Recorded container outputs of the line-based fact scripts (before remote/runs.py), turned into
+the JSON answers remote/runs.py's verbs give for the same run directories (in the one answer format,
+with the state decided by the prelude's run_state as the container decides it), so that the recorded
 runs keep testing the parsers: `status_answer(text)` for `status`, `metrics_answer(text)` for `metrics`.
 """
 
 import json
 
+from dflash_ops.remote.prelude import number, run_state
+
 FILES = ("pid", "pgid", "started", "ended", "exit_code", "stopped", "code_version")
 
 
-def status_answer(text: str) -> str:
+def status_answer(text: str, stall_after: float = 600) -> str:
     """`key value` fact lines -> the status verb's JSON line (a cut answer stays cut)."""
     answer = {"files": {}, "metrics": [], "log": [], "gpus": None}
     complete = False
@@ -38,7 +41,16 @@ def status_answer(text: str) -> str:
             answer["name"] = value.strip() or None
         elif key == "end":
             complete = True
-    line = json.dumps(answer)
+    if answer.get("exists"):
+        files = answer["files"]
+        times = [answer.get("mtime_log"), answer.get("mtime_metrics"), number(files.get("started")),
+                 number(files.get("ended"))]
+        times = [t for t in times if isinstance(t, int) and t]
+        now = answer.get("now")
+        answer["idle_s"] = max(0, now - max(times)) if times and isinstance(now, int) else None
+        answer["state"], answer["detail"] = run_state(files, answer.get("alive"), answer["idle_s"],
+                                                      stall_after)
+    line = json.dumps({"ok": answer})
     if not complete:  # the connection was lost mid-answer
         line = line[: len(line) // 2]
     return line + ("\r\n" if "\r\n" in text else "\n")
@@ -53,4 +65,4 @@ def metrics_answer(text: str, run: str = "") -> str:
             section = line[3:].strip()
         elif line.strip() and section in ("metrics", "evals"):
             answer[section].append(line)
-    return json.dumps(answer) + "\n"
+    return json.dumps({"ok": answer}) + "\n"

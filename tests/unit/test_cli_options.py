@@ -73,7 +73,7 @@ def test_warmup_runs_with_exactly_the_training_environment_config_and_devices(in
     warm, train = (shlex.split(f"{PCT} exec" + warm_line.removeprefix(f"{PCT} exec")),
                    shlex.split(f"{PCT} exec" + train_line))
 
-    def env_of(argv):  # env -i ... up to container_runs.py's interpreter
+    def env_of(argv):  # env -i ... up to the runs helper's interpreter
         return argv[argv.index("-i"):argv.index("-c", argv.index("-i")) - 1]
 
     def payload_of(argv):  # the python's argv: in the verb's JSON argument
@@ -196,7 +196,7 @@ def test_hostile_set_values_arrive_literally_and_execute_nothing(tmp_path):
     os.close(session_stdin)
     os.close(keep_open)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert json.loads(run.stdout)["outcome"] == "started", run.stdout  # the launch verb's JSON answer
+    assert json.loads(run.stdout)["ok"]["outcome"] == "started", run.stdout  # the launch verb's JSON answer
     argv = json.loads(argv_file.read_text())
     got = [a.removeprefix("--set=data.assistant_header=") for a in argv
            if a.startswith("--set=data.assistant")]

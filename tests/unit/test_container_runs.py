@@ -1,4 +1,4 @@
-"""container_runs.py's verbs on temporary run directories, in this process (no SSH, no container):
+"""remote/runs.py's verbs on temporary run directories, in this process (no SSH, no container):
 the answers the local parsers read, forged facts that stay data, and `stop`'s proof of a process group."""
 
 import fcntl
@@ -10,8 +10,10 @@ import time
 
 import pytest
 
-from dflash_ops import container_runs, status
-from dflash_ops.container_runs import Refused
+from dflash_ops import status
+from dflash_ops.remote import prelude
+from dflash_ops.remote import runs as container_runs
+from dflash_ops.remote.prelude import Refused
 
 
 def call(verb, **payload):
@@ -23,7 +25,11 @@ def call(verb, **payload):
 
 
 def answer_text(verb, **payload):
-    return json.dumps(call(verb, **payload)) + "\n"
+    """The verb's reply as the container prints it (prelude.serve): {"ok": ...} or the refusal."""
+    try:
+        return json.dumps({"ok": container_runs.VERBS[verb](payload)}) + "\n"
+    except Refused as refused:
+        return json.dumps(refused.answer) + "\n"
 
 
 @pytest.fixture
@@ -107,11 +113,11 @@ def test_huge_files_are_read_from_their_end_within_the_caps(runs):
     answer = call("status", runs=str(runs), name="big")
     assert len(json.dumps(answer)) < 200_000
     assert answer["log"][-1] == "12:00:00 INFO last line"
-    assert all(len(x) <= container_runs.LINE_CAP for x in answer["log"])
-    st = status.parse_status(json.dumps(answer))
+    assert all(len(x) <= prelude.LINE_CAP for x in answer["log"])
+    st = status.parse_status(json.dumps({'ok': answer}))
     assert (st.step, st.loss, st.last_error) == (2, 0.5, "12:00:00 INFO last line")
     tail = call("logs-tail", runs=str(runs), name="big", lines=2)
-    assert tail["lines"] == [line.decode()[:container_runs.LINE_CAP], "12:00:00 INFO last line"]
+    assert tail["lines"] == [line.decode()[:prelude.LINE_CAP], "12:00:00 INFO last line"]
 
 
 def test_metrics_sends_the_newest_lines_within_its_cap(runs):
@@ -131,7 +137,7 @@ def test_warm_up_holds_the_lock_shared_and_clean_caches_waits_for_nobody(runs, t
     cache = tmp_path / "cache"
     cache.mkdir()
     (cache / "f").write_bytes(b"12")
-    assert container_runs.alive_run(str(runs)) is None
+    assert prelude.alive_run(str(runs)) is None
     answer = call("clean-caches", runs=str(runs), caches={"inductor": str(cache)})
     assert answer["freed"]["inductor"]["bytes"] == 2 and not cache.exists()
 
@@ -154,12 +160,12 @@ def test_launch_records_the_run_and_stop_ends_its_group(runs, tmp_path):
     run = runs / "r1"
     assert {"run.sh", "pgid", "pid", "launch.json", "env", "config.given.yaml",
             "code_version"} <= set(os.listdir(run))
-    assert container_runs.alive_run(str(runs)) == "r1"
+    assert prelude.alive_run(str(runs)) == "r1"
     again = launch(runs, tmp_path, name="r2", lock_wait=0)
     assert (again["error"], again["run"]) == ("busy", "r1") and not (runs / "r2").exists()
     stopped = call("stop", runs=str(runs), name=None, grace=5)
     assert (stopped["outcome"], stopped["run"]) == ("term", "r1")
-    assert container_runs.alive_run(str(runs)) is None
+    assert prelude.alive_run(str(runs)) is None
     assert (run / "stopped").read_text().startswith("term ")
     assert call("stop", runs=str(runs), name="r1")["outcome"] == "notalive"
 
@@ -181,7 +187,7 @@ def test_a_failed_preflight_creates_nothing(runs, tmp_path):
     assert (refused["error"], refused["check"]) == ("preflight", "target")
     assert "not found: /dev/shm/m" in refused["message"] and refused["fix"] == "run `invoke deploy`"
     assert os.listdir(runs) == [".lock"]
-    assert container_runs.alive_run(str(runs)) is None
+    assert prelude.alive_run(str(runs)) is None
 
 
 def test_wait_streams_new_lines_until_the_first_step(runs, tmp_path, capsys):
@@ -239,7 +245,7 @@ def test_stop_refuses_a_wrapper_of_another_run(runs, tmp_path):
         assert call("stop", runs=str(runs), name="real", grace=5)["outcome"] == "term"
 
 
-def test_serve_answers_one_json_line_even_for_a_bug(capsys):
-    container_runs.serve(["x", "status", "{}"])  # no "runs": a KeyError inside the verb
+def test_serve_answers_one_json_line_even_for_bad_input(capsys):
+    container_runs.serve(container_runs.VERBS, ["x", "status", "{}"])  # no "runs": a KeyError in the verb
     answer = json.loads(capsys.readouterr().out)
-    assert answer["error"] == "internal" and "KeyError" in answer["message"]
+    assert answer["error"] == "bad-input" and "KeyError" in answer["message"]

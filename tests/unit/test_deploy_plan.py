@@ -1,6 +1,6 @@
 """deploy's pure parts and its in-container scripts, run here on a real filesystem (no SSH).
 
-container_release.py and container_facts.py are the exact text deploy sends to the container's
+remote/release.py and remote/facts.py are the exact text deploy sends to the container's
 python; here they run as imported modules and through the same `python -c LOADER <packed>` argv.
 """
 
@@ -17,9 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from dflash_ops import caches, commands, container_facts, container_release, container_runs, deploy, facts
+from dflash_ops import caches, commands, deploy
 from dflash_ops.errors import RunStateError
 from dflash_ops.inventory import parse_inventory
+from dflash_ops.remote import facts as container_facts
+from dflash_ops.remote import prelude, readings, ship
+from dflash_ops.remote import release as container_release
+from dflash_ops.remote import runs as container_runs
 
 INVENTORY = {
     "hosts": {"pve1": {"address": "pve1.example", "pct": "/usr/sbin/pct"}},
@@ -150,16 +154,14 @@ def test_script_line_runs_the_exact_script_text(tmp_path):
     (tmp_path / "code").mkdir()
     (tmp_path / "code" / "x.py").write_text("x")
     payload = {"code": str(tmp_path / "code"), "want": ["code"]}
-    argv = [sys.executable, "-c", facts.LOADER, facts.packed(facts.CONTAINER_FACTS), "facts",
-            json.dumps(payload)]
-    answer = facts.parse_json_line(subprocess.run(argv, capture_output=True, text=True, check=True).stdout,
-                                   "t")
+    argv = [sys.executable, "-S", "-c", ship.LOADER, ship.packed("facts"), "facts", json.dumps(payload)]
+    answer = ship.answer(subprocess.run(argv, capture_output=True, text=True, check=True).stdout, "t")
     assert answer["code"] == container_facts.code_fact(str(tmp_path / "code"))
     assert (answer["code"]["files"]
             == {"x.py": "2d711642b726b04401627ca9fbac32f5c8530fb1903cc4db02258717921a4881"})
 
 
-# --- staging a release (container_release.py, on a real filesystem) -------------------------------
+# --- staging a release (remote/release.py, on a real filesystem) -------------------------------
 
 class Container:
     """A stand-in container filesystem under tmp_path; deploys go through the real staging code."""
@@ -244,7 +246,7 @@ def test_old_releases_are_pruned_and_a_legacy_code_dir_is_kept_as_a_release(tmp_
     assert box.files() == {"a.py": "v4"}
 
 
-# --- run lock and cache cleaning (container_runs.py) ---------------------------------------------
+# --- run lock and cache cleaning (remote/runs.py) ---------------------------------------------
 
 def test_cache_cleaner_refuses_while_the_runs_lock_is_held_and_force_overrides(tmp_path):
     runs = tmp_path / "runs"
@@ -258,36 +260,41 @@ def test_cache_cleaner_refuses_while_the_runs_lock_is_held_and_force_overrides(t
     holder = open(runs / ".lock", "w")
     fcntl.flock(holder, fcntl.LOCK_EX)  # what a live run's processes hold (launch.py)
     try:
-        assert container_runs.alive_run(args["runs"]) == "run-1"
-        answer = container_runs.clean_caches(args)
-        assert answer == {"refused": "run-1"} and cache.exists()
-        with pytest.raises(RunStateError, match="run 'run-1' is alive.*--force"):
-            caches.parse_clean(_Ct(), answer)
-        forced = caches.parse_clean(_Ct(), container_runs.clean_caches({**args, "force": True}))
+        assert prelude.alive_run(args["runs"]) == "run-1"
+        with pytest.raises(prelude.Refused) as refused:
+            container_runs.clean_caches(args)
+        assert refused.value.answer == {"error": "busy", "message": "run run-1 is alive", "run": "run-1"}
+        assert cache.exists()
+        forced = caches.parse_clean(_Ct(args["caches"]), container_runs.clean_caches({**args, "force": True}))
     finally:
         holder.close()
     assert not cache.exists()
     assert [(f.name, f.bytes, f.files, f.existed) for f in forced] == [("inductor", 1000, 1, True),
                                                                        ("triton", 0, 0, False)]
-    assert container_runs.alive_run(args["runs"]) is None
+    assert prelude.alive_run(args["runs"]) is None
+    with pytest.raises(RunStateError, match="'triton'|none could not be removed"):
+        caches.parse_clean(_Ct(args["caches"]), {"freed": {"inductor": {"left": False}}})
 
 
 class _Ct:
     label = "pve1/200"
 
+    def __init__(self, caches):
+        self.paths = type("Paths", (), {"caches": type("Caches", (), {"all": lambda _self: caches})()})()
+
 
 def test_gpu_verdicts(ct):
-    assert facts.gpu_verdict(ct, 0)[0]  # no roles: CPU only
+    assert readings.gpu_verdict(ct, 0)[0]  # no roles: CPU only
     roles = {"target": [0, 1, 2, 3, 4], "drafter": [5, 6, 7]}
     gpu = parse_inventory({**INVENTORY, "containers": {200: {"host": "pve1", "roles": roles}}})
     g = gpu.container(200)
-    assert facts.gpus_needed(g) == 8
-    assert facts.gpu_verdict(g, 8)[0] and not facts.gpu_verdict(g, 7)[0]
-    assert "the roles need 8" in facts.gpu_verdict(g, 7)[1]
+    assert readings.gpus_needed(g) == 8
+    assert readings.gpu_verdict(g, 8)[0] and not readings.gpu_verdict(g, 7)[0]
+    assert "the roles need 8" in readings.gpu_verdict(g, 7)[1]
 
 
 def test_human_bytes():
-    assert [facts.human_bytes(n) for n in (0, 1023, 1024, 5 << 20, 3 << 40)] == \
+    assert [readings.human_bytes(n) for n in (0, 1023, 1024, 5 << 20, 3 << 40)] == \
         ["0 B", "1023 B", "1.0 KiB", "5.0 MiB", "3.0 TiB"]
 
 

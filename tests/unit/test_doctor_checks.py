@@ -1,4 +1,4 @@
-"""doctor's verdicts on recorded container facts (container_facts.py output from the embedded host)."""
+"""doctor's verdicts on recorded container facts (remote/facts.py output from the embedded host)."""
 
 import copy
 import json

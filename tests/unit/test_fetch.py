@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from dflash_ops import fetch
 from dflash_ops.errors import DflashOpsError, RemoteCommandFailed, RunStateError, UntrustedData
+from dflash_ops.remote import ship
 
 NAMES = ["config.json", "model.safetensors"]
 SHA = "a" * 64
@@ -51,9 +52,10 @@ def test_anything_else_is_refused(bad):
 
 def test_a_missing_checkpoint_is_run_state():
     with pytest.raises(RunStateError, match="no checkpoint"):
-        fetch.parse_listing({"error": "no checkpoint yet in /root/runs/r/checkpoints",
-                             "code": "no_checkpoint"},
-                            NAMES, "/root/runs", "r")
+        fetch.raise_refusal(ship.Refusal("pve1/200: fetch", "no-checkpoint",
+                                         "no checkpoint yet in /root/runs/r/checkpoints", {}))
+    with pytest.raises(UntrustedData, match="symlink"):
+        fetch.raise_refusal(ship.Refusal("pve1/200: fetch", "unsafe", "x is a symlink: refusing it", {}))
 
 
 @settings(max_examples=200, deadline=None)
@@ -102,13 +104,15 @@ def test_pct_output_is_shown_visible():
 
 
 def run_container_side(tmp_path, checkpoint="latest", names=NAMES):
-    """container_fetch.py run here, as the container runs it (system python, one JSON argument)."""
+    """remote/fetch.py run here, as the container runs it (system python, the shipped text): its "ok"
+    value, or its refusal."""
     payload = json.dumps({"runs": str(tmp_path / "runs"), "run": "r", "checkpoint": checkpoint,
                           "names": names})
-    out = subprocess.run([sys.executable, "-c", fetch.CONTAINER_FETCH, "list", payload], capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-S", "-c", ship.LOADER, ship.packed("fetch"), "list", payload],
+                         capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.splitlines()[-1])
+    reply = json.loads(out.stdout.splitlines()[-1])
+    return reply.get("ok", reply)
 
 
 def test_container_side_resolves_latest_and_hashes_in_place(tmp_path):
@@ -122,12 +126,12 @@ def test_container_side_resolves_latest_and_hashes_in_place(tmp_path):
     assert directory == str(ckpt)
     assert [(f.name, f.size) for f in files] == [("config.json", 2), ("model.safetensors", 16_000_000)]
     assert files[1].sha256 == hashlib.sha256(b"\x00weights" * 2_000_000).hexdigest()
-    assert run_container_side(tmp_path, "step-99")["code"] == "no_checkpoint"
+    assert run_container_side(tmp_path, "step-99")["error"] == "no-checkpoint"
     (ckpt.parent / "latest").unlink()
     assert run_container_side(tmp_path)["dir"] == str(ckpt)  # no pointer: the newest complete step
     (ckpt.parent / "latest").write_text("step-20\nx")
-    assert run_container_side(tmp_path)["code"] == "unsafe"
+    assert run_container_side(tmp_path)["error"] == "unsafe"
     (ckpt.parent / "latest").unlink()
     os.mkfifo(ckpt.parent / "latest")  # a FIFO would block a plain read forever
-    assert run_container_side(tmp_path)["code"] == "unsafe"
-    assert run_container_side(tmp_path, "step-20", ["../x"])["code"] == "usage"
+    assert run_container_side(tmp_path)["error"] == "unsafe"
+    assert run_container_side(tmp_path, "step-20", ["../x"])["error"] == "usage"

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from dflash_ops import container_history as ch
 from dflash_ops import history
 from dflash_ops.errors import UsageError
+from dflash_ops.remote import history as ch
 
 DAY = 86400
 

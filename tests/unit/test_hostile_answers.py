@@ -1,6 +1,6 @@
 """Every parser of what a container sends answers with a value or a one-line error, never a traceback:
 hypothesis feeds them arbitrary text and arbitrary JSON (malformed numbers, strings where numbers go,
-nulls, deep nesting, huge values), shaped like the answers of container_runs.py's verbs."""
+nulls, deep nesting, huge values), shaped like the answers of remote/runs.py's verbs."""
 
 import json
 
@@ -8,9 +8,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rich.console import Console
 
-from dflash_ops import facts, launch, metrics, status
+from dflash_ops import launch, metrics, status
 from dflash_ops.errors import DflashOpsError
 from dflash_ops.inventory import parse_inventory
+from dflash_ops.remote import readings, ship
+from dflash_ops.remote.prelude import STATES
 
 SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -36,7 +38,15 @@ status_answers = st.fixed_dictionaries({}, optional={
     "metrics": st.one_of(st.lists(record_lines, max_size=6), values),
     "eval": st.one_of(records.map(json.dumps), deep, values),
     "log": st.one_of(st.lists(st.text(), max_size=5), values),
-    "gpus": st.one_of(st.lists(st.text(max_size=40), max_size=3), values), "error": values})
+    "gpus": st.one_of(st.lists(st.text(max_size=40), max_size=3), values),
+    "state": st.one_of(st.sampled_from(STATES), values), "detail": values, "idle_s": values})
+refusals = st.fixed_dictionaries({"error": values}, optional={"message": values, "run": values})
+
+
+def replies(answers):
+    """What a verb prints: {"ok": answer}, a refusal, or anything a hostile interpreter prints."""
+    return st.one_of(answers.map(lambda a: json.dumps({"ok": a})), refusals.map(json.dumps),
+                     values.map(json.dumps))
 metrics_answers = st.fixed_dictionaries({}, optional={
     "run": values, "metrics": st.one_of(st.lists(record_lines, max_size=8), values),
     "evals": st.one_of(st.lists(record_lines, max_size=4), values), "metrics_left_out": values,
@@ -48,12 +58,12 @@ def one_line(exc: Exception) -> None:
 
 
 @SETTINGS
-@given(st.one_of(status_answers.map(json.dumps), st.text(), deep,
+@given(st.one_of(replies(status_answers), st.text(), deep,
                  st.binary().map(lambda b: b.decode("latin-1"))))
 def test_status_parser_answers_a_status_or_one_line(text):
     try:
         parsed = status.parse_status(text)
-    except ValueError as exc:
+    except (ValueError, DflashOpsError) as exc:
         return one_line(exc)
     assert parsed.state in ("none", "missing", "running", "stalled", "finished", "crashed", "stopped")
     json.loads(parsed.to_json())
@@ -62,11 +72,11 @@ def test_status_parser_answers_a_status_or_one_line(text):
 
 
 @SETTINGS
-@given(st.one_of(metrics_answers.map(json.dumps), st.text(), deep))
+@given(st.one_of(replies(metrics_answers), st.text(), deep))
 def test_metrics_parser_answers_metrics_or_one_line(text):
     try:
         parsed = metrics.parse_metrics(text, "r")
-    except ValueError as exc:
+    except (ValueError, DflashOpsError) as exc:
         return one_line(exc)
     console = Console(record=True, width=100, file=open("/dev/null", "w"))
     console.print(metrics.table(parsed, 5))
@@ -80,18 +90,19 @@ def test_the_plot_of_hostile_records_draws_what_is_a_number(tmp_path):
              '{"kind": "eval", "loss": 2}', '{"kind": "train", "step": 3, "loss": NaN}',
              '{"kind": "checkpoint", "step": "7"}']
     evals = [json.dumps({"step": 2, "acceptance_length": "high", "speedup": None})]
-    parsed = metrics.parse_metrics(json.dumps({"metrics": lines, "evals": evals}), "r")
+    parsed = metrics.parse_metrics(json.dumps({"ok": {"metrics": lines, "evals": evals}}), "r")
     assert "acceptance -" in metrics.eval_summary(parsed)
     assert metrics.plot(parsed, str(tmp_path / "p.png")).endswith("p.png")
 
 
 @SETTINGS
 @given(st.one_of(st.text(), values.map(json.dumps), deep))
-def test_json_line_reader_answers_a_dict_or_one_line(text):
+def test_the_one_answer_reader_answers_a_value_or_one_line(text):
     try:
-        assert isinstance(facts.parse_json_line(text, "t"), dict)
+        ship.answer(text, "pve1/200: t")
     except DflashOpsError as exc:
         one_line(exc)
+        assert str(exc).startswith("pve1/200: t: ")
 
 
 CT = parse_inventory({"hosts": {"pve1": {"address": "pve1.example"}},
@@ -123,6 +134,6 @@ def test_the_launch_watch_takes_lines_and_a_verdict_from_anything(raw):
     values, st.fixed_dictionaries({"rc": values, "out": st.one_of(st.text(), values.map(json.dumps)),
                                    "err": values}))})))
 def test_torch_info_reads_any_venv_fact(fact):
-    info = facts.torch_info(fact if isinstance(fact, dict) or fact is None
+    info = readings.torch_info(fact if isinstance(fact, dict) or fact is None
                             else {"torch": fact, "python": True})
     assert isinstance(info.ok, bool) and "\n" not in info.error

@@ -8,9 +8,10 @@ import sys
 import pytest
 from recorded_answers import metrics_answer, status_answer
 
-from dflash_ops import evaluate, facts, fetch, metrics, payload
+from dflash_ops import evaluate, fetch, metrics, payload
 from dflash_ops.errors import RemoteCommandFailed, UsageError
 from dflash_ops.inventory import parse_inventory
+from dflash_ops.remote import ship
 
 INVENTORY = {
     "hosts": {"pve1": {"address": "pve1.example"}},
@@ -92,8 +93,8 @@ def test_plot_of_a_run_without_metrics_is_refused(tmp_path):
 
 
 def run_verb(verb, payload):
-    """container_runs.py's verb through the exact loader and packed text the container gets."""
-    argv = [sys.executable, "-c", facts.LOADER, facts.packed(facts.CONTAINER_RUNS), verb, json.dumps(payload)]
+    """remote/runs.py's verb through the exact loader and packed text the container gets."""
+    argv = [sys.executable, "-S", "-c", ship.LOADER, ship.packed("runs"), verb, json.dumps(payload)]
     out = subprocess.run(argv, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     return out.stdout

@@ -2,11 +2,12 @@
 lines match nothing."""
 
 import io
+import json
 
 import pytest
 
 from dflash_ops import runs
-from dflash_ops.logs import LogPrinter
+from dflash_ops.logs import FollowStream, LogPrinter
 
 # Lines as torch, NCCL and the OS print them (the first is the incident's).
 KNOWN = [
@@ -72,15 +73,20 @@ def test_scan_reports_each_signature_once_with_its_last_line_in_table_order():
 def test_log_printer_highlights_and_names_the_runbook():
     out = io.StringIO()
     printer = LogPrinter(out=out)
-    text = ("==> dflash-ops: run r1\r\n" + ORDINARY[0] + "\r\n" + KNOWN[0][1] + "\n"
-            "==> dflash-ops: run r1 is not running (exit code: 1)\n")
-    for i in range(0, len(text), 7):  # arrives in arbitrary chunks
-        printer.write(text[i:i + 7])
-    printer.close()
+    stream = FollowStream(printer)
+    forged = "==> dflash-ops: run r1 is not running (exit code: 0)"  # a log line, not the verb's word
+    items = [{"run": "r1"}, {"line": ORDINARY[0]}, {"line": KNOWN[0][1]}, {"line": forged},
+             {"ok": {"run": "r1", "state": "crashed", "exit_code": "1"}}]
+    text = "\r\n".join(json.dumps(item) for item in items) + "\r\n"
+    for i in range(0, len(text), 7):  # arrives in arbitrary chunks, over a pty
+        stream.write(text[i:i + 7])
+    stream.close()
+    assert printer.ended is None and stream.answer["ok"]["exit_code"] == "1"
+    printer.finished(stream.answer["ok"])
     lines = out.getvalue().splitlines()
     assert printer.run == "r1"
-    assert printer.ended.startswith("run r1 is not running")
-    assert lines[2] == KNOWN[0][1]
+    assert printer.ended == "run r1 is not running (exit code: 1)"
+    assert lines[2] == KNOWN[0][1] and lines[4] == forged
     assert (lines[3]
             == ">>> torch.compile FX-tracing race between drafter threads: read "
                "docs/runbooks/compile-race.md")

@@ -10,7 +10,8 @@ import json
 import pytest
 from recorded_answers import status_answer
 
-from dflash_ops.status import RunStatus, describe_exit, parse_status, render
+from dflash_ops.remote.prelude import describe_exit
+from dflash_ops.status import RunStatus, parse_status, render
 
 FINISHED = """\
 now 1795954010
@@ -127,10 +128,10 @@ def test_finished_run_reports_last_train_metrics_and_uptime():
 
 
 def test_running_run_is_running_until_quiet_longer_than_the_threshold():
-    st = parse_status(status_answer(RUNNING), stall_after=600)
+    st = parse_status(status_answer(RUNNING, stall_after=600))
     assert (st.state, st.pid, st.uptime_s, st.idle_s) == ("running", 487, 16, 8)
     assert st.step is None and st.loss is None  # no metric yet: shown as '-', not as zero
-    stalled = parse_status(status_answer(RUNNING), stall_after=5)
+    stalled = parse_status(status_answer(RUNNING, stall_after=5))
     assert stalled.state == "stalled"
     assert "8 s" in stalled.detail
     assert [f["runbook"] for f in stalled.findings] == ["docs/runbooks/stalled-run.md"]
@@ -203,7 +204,7 @@ def test_a_metric_line_cut_mid_write_is_skipped():
 
 
 def test_truncated_output_is_an_error_not_a_healthy_run():
-    with pytest.raises(ValueError, match="incomplete"):
+    with pytest.raises(ValueError, match="no complete answer"):
         parse_status(status_answer(RUNNING.replace("end\n", "")))
 
 

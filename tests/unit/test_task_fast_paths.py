@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash_ops import container_facts, facts
 from dflash_ops.inventory import parse_inventory
+from dflash_ops.remote import facts as container_facts
+from dflash_ops.remote import ship
 
 REPO = Path(__file__).resolve().parents[2]
 CT = parse_inventory({"hosts": {"pve1": {"address": "pve1.example"}},
@@ -46,18 +47,18 @@ def test_deploys_probe_is_the_facts_script_alone_without_site_subprocess_or_open
     (tmp_path / "code" / "x.py").write_text("x")
     payload = {"code": str(tmp_path / "code"), "venv": str(tmp_path / "venv"), "model": str(tmp_path / "m"),
                "want": ["code", "model", "venv"], "torch_check": "recorded"}
-    line = facts.facts_line(CT, ("code", "venv", "model"), "recorded")
+    line = ship.facts_line(CT, ("code", "venv", "model"), "recorded")
     argv = probe_argv(line, payload)
     assert argv[1] == "-S"
     names, out = imported(argv)
-    answer = facts.parse_json_line(out, "t")
+    answer = ship.answer(out, "t")
     assert answer["code"] == container_facts.code_fact(str(tmp_path / "code"))
     assert (answer["code"]["files"]
             == {"x.py": "2d711642b726b04401627ca9fbac32f5c8530fb1903cc4db02258717921a4881"})
     assert answer["venv"] == {"python": False, "requirements": None, "torch": None}
     assert not names & {"site", "subprocess", "shutil", "hashlib", "_hashlib", "fcntl"}
-    # doctor's facts (runs, caches) still carry container_runs.py's definitions
-    assert len(facts.facts_line(CT, facts.ALL_FACTS)) > len(line) + 4000
+    # doctor's facts (runs, caches) are the same helper: the prelude holds the run primitives
+    assert ship.packed("facts") in ship.facts_line(CT, ship.ALL_FACTS)
 
 
 def test_doctors_facts_answer_runs_and_caches_through_the_same_argv_shape(tmp_path):
@@ -66,8 +67,8 @@ def test_doctors_facts_answer_runs_and_caches_through_the_same_argv_shape(tmp_pa
     cache.mkdir()
     (cache / "blob").write_bytes(b"0" * 5000)
     payload = {"runs": str(tmp_path / "runs"), "caches": {"inductor": str(cache)}, "want": ["caches", "runs"]}
-    names, out = imported(probe_argv(facts.facts_line(CT, ("caches", "runs")), payload))
-    answer = facts.parse_json_line(out, "t")
+    names, out = imported(probe_argv(ship.facts_line(CT, ("caches", "runs")), payload))
+    answer = ship.answer(out, "t")
     assert answer["alive"] is None
     assert (answer["caches"]["inductor"]["path"] == str(cache)
             and answer["caches"]["inductor"]["bytes"] >= 5000)

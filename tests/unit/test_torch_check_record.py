@@ -1,4 +1,4 @@
-"""The venv's recorded torch check (container_facts.venv_fact): reused only while the requirements stamp
+"""The venv's recorded torch check (remote/facts.py venv_fact): reused only while the requirements stamp
 and the GPU set are the same; "always" (doctor) imports torch every time. The venv's python here is a
 script that counts its starts and answers as the torch check does."""
 
@@ -8,7 +8,7 @@ import stat
 
 import pytest
 
-from dflash_ops import container_facts
+from dflash_ops.remote import facts as container_facts
 
 ANSWER = json.dumps({"torch": "2.13.0+cpu", "cuda": None, "available": False, "count": 0})
 

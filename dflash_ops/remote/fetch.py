@@ -1,36 +1,31 @@
 """In the container, for `invoke fetch`: find the checkpoint and hash its files (stdlib only).
 
-Sent by dflash_ops.fetch as `python -c` (facts.script_line) with one JSON argument
-{"runs", "run", "checkpoint", "names"}; prints progress dots, then one JSON object:
-{"dir": ..., "files": [{"name", "size", "sha256"}]} or {"error": ..., "code": ...}.
+Shipped after prelude.py by dflash_ops.fetch: the verb `list` with one JSON object
+{"runs", "run", "checkpoint", "names"}; streams a {"hashing": name} item every few MiB, then the
+prelude's one answer: {"ok": {"dir": ..., "files": [{"name", "size", "disk", "sha256"}]}} (`disk`:
+the bytes the file really occupies, st_blocks) or {"error": kind, "message"}.
 
 Everything here is read from files that training code wrote, so nothing is taken on trust: the
 checkpoint is a real directory `step-N` directly under the run's `checkpoints/` (the `latest`
 pointer is read as a small regular file holding exactly `step-N`), and each file is a regular file
 opened without following a symlink. The hash is computed from that open file.
 
-A dot is written to stdout every few MiB while hashing: once fetch is gone (killed, connection
+An item is written to stdout every few MiB while hashing: once fetch is gone (killed, connection
 lost) the write fails and this process exits, instead of hashing gigabytes for nobody (a real
 `pct exec` without a tty leaves the command running when the SSH session is closed).
 """
 
 import hashlib
-import json
 import os
 import re
 import stat
-import sys
+
+from dflash_ops.remote.prelude import Refused, emit, open_regular, serve
 
 STEP = re.compile(r"step-[0-9]{1,12}")
 POINTER_MAX = 64
 BLOCK = 1 << 20
-DOT_EVERY = 8  # blocks
-
-
-class Refused(Exception):
-    def __init__(self, code, message):
-        super().__init__(message)
-        self.code = code
+MARK_EVERY = 8  # blocks
 
 
 def real_dir(path, code, what):
@@ -46,14 +41,12 @@ def pointer(root):
     """The checkpoint `latest` names, or None when there is no pointer."""
     path = os.path.join(root, "latest")
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = open_regular(path)
     except FileNotFoundError:
         return None
     except OSError:
         raise Refused("unsafe", f"{path} is not a regular file: refusing it") from None
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise Refused("unsafe", f"{path} is not a regular file: refusing it")
         raw = f.read(POINTER_MAX + 1)
     text = raw.decode("utf-8", "backslashreplace")
     text = text[:-1] if text.endswith("\n") else text
@@ -71,17 +64,17 @@ def newest(root):
 
 def checkpoint_dir(runs, run, want):
     run_dir = os.path.join(runs, run)
-    real_dir(run_dir, "no_run", "run")
+    real_dir(run_dir, "no-run", "run")
     root = os.path.join(run_dir, "checkpoints")
-    real_dir(root, "no_checkpoint", "checkpoints directory")
+    real_dir(root, "no-checkpoint", "checkpoints directory")
     if want == "latest":
         want = pointer(root) or newest(root)
         if want is None:
-            raise Refused("no_checkpoint", f"no checkpoint yet in {root}")
+            raise Refused("no-checkpoint", f"no checkpoint yet in {root}")
     if not STEP.fullmatch(want):
         raise Refused("usage", f"checkpoint {want!r}: give latest or step-N")
     path = os.path.join(root, want)
-    real_dir(path, "no_checkpoint", "checkpoint")
+    real_dir(path, "no-checkpoint", "checkpoint")
     if os.path.dirname(os.path.realpath(path)) != os.path.realpath(root):
         raise Refused("unsafe", f"{path} does not lie in {root}: refusing it")
     return path
@@ -92,22 +85,20 @@ def hashed(directory, name):
         raise Refused("usage", f"file name {name!r} refused")
     path = os.path.join(directory, name)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = open_regular(path)
     except FileNotFoundError:
         raise Refused("missing", f"{path} is missing") from None
     except OSError as exc:
-        raise Refused("unsafe", f"{path}: {exc.strerror} (a symlink is refused)") from None
+        raise Refused("unsafe", f"{path}: {exc.strerror} (only a regular file, never a symlink)") from None
     digest, size = hashlib.sha256(), 0
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise Refused("unsafe", f"{path} is not a regular file: refusing it")
+        st = os.fstat(f.fileno())
         for i, block in enumerate(iter(lambda: f.read(BLOCK), b"")):
             digest.update(block)
             size += len(block)
-            if i % DOT_EVERY == DOT_EVERY - 1:
-                sys.stdout.write(".")
-                sys.stdout.flush()
-    return {"name": name, "size": size, "sha256": digest.hexdigest()}
+            if i % MARK_EVERY == MARK_EVERY - 1:
+                emit(hashing=name)
+    return {"name": name, "size": size, "disk": st.st_blocks * 512, "sha256": digest.hexdigest()}
 
 
 def listing(args):
@@ -115,20 +106,8 @@ def listing(args):
     return {"dir": directory, "files": [hashed(directory, name) for name in args["names"]]}
 
 
-def main(argv):
-    try:
-        answer = listing(json.loads(argv[-1]))
-    except Refused as exc:
-        answer = {"error": str(exc), "code": exc.code}
-    try:
-        sys.stdout.write("\n" + json.dumps(answer) + "\n")
-        sys.stdout.flush()
-    except BrokenPipeError:
-        os._exit(1)
+VERBS = {"list": listing}
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv)
-    except BrokenPipeError:  # fetch is gone: stop hashing
-        os._exit(1)
+    serve(VERBS)

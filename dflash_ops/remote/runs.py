@@ -1,39 +1,54 @@
 """The run protocol, inside the container: launch, stop, status, metrics, the log's tail, the runs lock.
 
-Sent per call through facts.py's loader to the container's own interpreter (`container.python`), so
-it uses the standard library only and runs on Python >= 3.8. One verb and one JSON argument in, one
-JSON object out (`wait` streams JSON lines, one per log line, then its verdict); a refusal or an
-error is a field of that object (`error`, `message`), never an exit code to decode.
+Shipped after prelude.py (ship.py) to the container's own interpreter (`container.python`): standard
+library only, Python >= 3.8, the prelude's one answer format (`wait` and `follow` stream `{"line"}`
+lines first).
 
-    python -c LOADER <this file, packed> status '{"runs": "/root/runs", "name": null}'
+    python -S -c LOADER <prelude + this file, packed> status '{"runs": "/root/runs", "name": null}'
 
-Everything read from a run directory is data: files are read with a size cap, split on `\n` only,
-decoded with replacement, and sent back inside JSON strings, so a log line holding `\r` or a fake
-fact stays a string of that log line. Shell remains only where a process must outlive the session:
-the run wrapper (WRAPPER below, written to `run.sh`). The local side is jobs.py / status.py /
-logs.py / metrics.py / caches.py.
+Everything read from a run directory is data, read through the prelude's bounded readers, and
+sent back inside JSON strings, so a log line holding `\r` or a fake fact stays a string of that
+log line. Shell remains only where a process must outlive the session: the run wrapper (WRAPPER
+below, written to `run.sh`). The local side is launch.py / status.py / logs.py / metrics.py /
+caches.py.
 
-A run is alive while its processes hold `<runs>/.lock` exclusively (flock, inherited from the
-launch by the wrapper and the training process); `<runs>/.current` names the run that took it. A
-warm-up holds it shared; clean-caches exclusively while deleting.
+The runs lock, run_alive, resolve_run and run_state are the prelude's.
 """
 
-import fcntl
 import json
 import os
 import sys
 import time
 
+from dflash_ops.remote.prelude import (
+    CURRENT,
+    LINE_CAP,
+    LOCK,
+    TAIL_WINDOW,
+    Refused,
+    current_run,
+    dir_usage,
+    emit,
+    end_lines,
+    free_bytes,
+    free_near,
+    free_text,
+    mtime,
+    read_end,
+    read_text,
+    resolve_run,
+    run_alive,
+    runs_lock,
+    serve,
+    state_of_run,
+    tail_lines,
+)
+
 # `status` is the hot path (one interpreter start per `invoke status`): modules only some verbs need
 # (subprocess, shutil, re, signal, errno) are imported by those verbs.
 
-LOCK, CURRENT = ".lock", ".current"
-RUN_FILES = ("pid", "pgid", "started", "ended", "exit_code", "stopped", "code_version")
-FILE_CAP = 300            # bytes kept of each small run file (pid, exit_code, ...)
-LINE_CAP = 2000           # characters kept of a log line
 METRIC_LINE_CAP = 65536   # a metrics line longer than this is dropped (counted), never sent
 EVAL_CAP = 20000          # eval.json larger than this is not sent
-TAIL_WINDOW = 1 << 20     # bytes read from a file's end for its last lines
 METRICS_CAP = 16 << 20    # bytes of metrics.jsonl / evals.jsonl sent at most (the newest ones)
 # The training script's step line (train_dflash.log_train); it logs the first step of every launch,
 # whatever train.log_every, and `wait` stops at the first (tests/remote ties the two together).
@@ -61,112 +76,6 @@ echo "dflash-ops: training process $child ended: exit $code"
 '''
 
 
-class Refused(Exception):
-    """A verb's answer is a refusal: {"error": kind, "message": one line, ...extra}."""
-
-    def __init__(self, kind, message, **extra):
-        Exception.__init__(self, message)
-        self.answer = dict(extra, error=kind, message=message)
-
-
-# --- the runs lock --------------------------------------------------------------------------------
-
-def runs_lock(runs, shared=False, wait=0.0, create=True):
-    """An fd holding the runs lock (exclusive, or shared), or None when it is held the other way.
-
-    The one implementation of the lock: launch, warm-up, stop's check and clean-caches use it.
-    Waits up to `wait` seconds. Closing the fd (or the process ending) releases it, unless a child
-    inherited it: that is how a run keeps it for its whole life.
-    """
-    path = os.path.join(runs, LOCK)
-    try:
-        fd = os.open(path, (os.O_CREAT | os.O_RDWR) if create else os.O_RDONLY, 0o644)
-    except OSError:
-        return None if not create else _raise_unwritable(runs)
-    deadline = time.monotonic() + wait
-    while True:
-        try:
-            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-            return fd
-        except OSError:
-            if time.monotonic() >= deadline:
-                os.close(fd)
-                return None
-            time.sleep(0.05)
-
-
-def _raise_unwritable(runs):
-    raise Refused("cannot-write", f"cannot create the runs lock in {runs}: {_free_text(runs)}")
-
-
-def read_text(path, cap=FILE_CAP):
-    """The first `cap` bytes of a file as text (None if absent); never more, whatever the file is."""
-    try:
-        with open(path, "rb") as f:
-            return f.read(cap).decode("utf-8", "replace")
-    except OSError:
-        return None
-
-
-def current_run(runs):
-    name = (read_text(os.path.join(runs, CURRENT), 200) or "").strip()
-    return name or None
-
-
-def run_alive(runs, name):
-    """Is run `name` alive: .current names it and someone holds the runs lock exclusively."""
-    if not name or current_run(runs) != name:
-        return False
-    fd = runs_lock(runs, shared=True, create=False)
-    if fd is None:
-        return os.path.exists(os.path.join(runs, LOCK))
-    os.close(fd)
-    return False
-
-
-def alive_run(runs):
-    """The name of the run holding the runs lock ("?" when .current is unreadable), or None."""
-    if not os.path.exists(os.path.join(runs, LOCK)):
-        return None  # no run was ever launched here
-    fd = runs_lock(runs, create=False)
-    if fd is None:
-        return current_run(runs) or "?"
-    os.close(fd)
-    return None
-
-
-# --- reading files: bounded, split on \n only --------------------------------------------------------
-
-def read_end(path, window):
-    """(at most the last `window` bytes of a file, the offset they start at); (None, 0) if unreadable."""
-    try:
-        with open(path, "rb") as f:
-            size = f.seek(0, os.SEEK_END)
-            start = max(0, size - window)
-            f.seek(start)
-            return f.read(size - start), start
-    except OSError:
-        return None, 0
-
-
-def end_lines(data, start):
-    """The complete lines of a file's end read from offset `start` (the first one is
-    cut unless start is 0)."""
-    lines = data.split(b"\n")
-    return lines[1:] if start > 0 else lines
-
-
-def tail_lines(path, count, window=TAIL_WINDOW, cap=LINE_CAP):
-    """The last `count` lines of a file, reading at most `window` bytes from its end."""
-    data, start = read_end(path, window) if count > 0 else (None, 0)
-    if not data:
-        return []
-    lines = end_lines(data, start)
-    if lines and lines[-1] == b"":
-        lines.pop()
-    return [line[:cap * 4].decode("utf-8", "replace")[:cap] for line in lines[-count:]]
-
-
 def jsonl_tail(path, cap=METRICS_CAP, line_cap=METRIC_LINE_CAP):
     """The newest lines of a JSON-lines file, at most `cap` bytes: (lines, bytes left out, lines dropped)."""
     data, start = read_end(path, cap)
@@ -183,54 +92,10 @@ def jsonl_tail(path, cap=METRICS_CAP, line_cap=METRIC_LINE_CAP):
     return kept, start, dropped
 
 
-def mtime(path):
-    try:
-        return int(os.stat(path).st_mtime)
-    except OSError:
-        return None
-
-
-def free_bytes(path):
-    try:
-        st = os.statvfs(path)
-        return st.f_bavail * st.f_frsize
-    except OSError:
-        return None
-
-
-def free_near(path):
-    """Bytes free on the filesystem that holds path, or would hold it (its nearest existing parent)."""
-    probe = path
-    while probe not in ("", "/") and not os.path.exists(probe):
-        probe = os.path.dirname(probe)
-    return free_bytes(probe or "/")
-
-
-def _free_text(path):
-    free = free_near(path)
-    return "unknown free" if free is None else f"{human(free)} free"
-
-
-def human(n):
-    """df -h's way: 0, 512K, 1.5M, 20G."""
-    for unit in ("", "K", "M", "G", "T"):
-        if n < 1024 or unit == "T":
-            return f"{int(n)}{unit}" if unit == "" or n >= 10 else f"{n:.1f}{unit}"
-        n /= 1024.0
-
-
 def resolve(args):
     """(runs, name, run dir) of the payload's run, or the latest; Refused when there is none."""
-    runs = args["runs"]
-    name = args.get("name") or current_run(runs)
-    if not name:
-        raise Refused("no-run", f"no run yet under {runs}")
-    if "/" in name or name.startswith("."):
-        raise Refused("no-run", f"no run named {name[:80]!r} under {runs}")
-    path = os.path.join(runs, name)
-    if not os.path.isdir(path):
-        raise Refused("no-run", f"no run named {name} under {runs}")
-    return runs, name, path
+    name, path = resolve_run(args["runs"], args.get("name"))
+    return args["runs"], name, path
 
 
 # --- status -----------------------------------------------------------------------------------------
@@ -253,38 +118,36 @@ def gpu_lines():
 
 
 def status(args):
-    """The facts of one run (the named one, or the latest) and the GPUs; the local side judges them."""
+    """The facts of one run (the named one, or the latest), its state (the prelude's run_state), and
+    the GPUs; the local side checks every field."""
     runs = args["runs"]
     name = args.get("name") or current_run(runs)
-    out = {"now": int(time.time()), "name": name, "exists": False, "gpus": gpu_lines(),
+    now = int(time.time())
+    out = {"now": now, "name": name, "exists": False, "gpus": gpu_lines(),
            "free_runs": free_near(runs), "free_shm": free_bytes("/dev/shm")}
-    path = os.path.join(runs, name) if name and "/" not in name and not name.startswith(".") else None
-    if path is None or not os.path.isdir(path):
+    try:
+        name, path = resolve_run(runs, name) if name else (None, None)
+    except Refused:
+        path = None
+    if path is None:
         return out
-    files = {f: read_text(os.path.join(path, f)) for f in RUN_FILES}
+    stall_after = float(args.get("stall_after", 600))
+    state = state_of_run(runs, name, path, now, stall_after)
     log, metrics = os.path.join(path, "train.log"), os.path.join(path, "metrics.jsonl")
-    out.update(exists=True, alive=run_alive(runs, name),
-               files={f: " ".join(v.split("\n")).strip() for f, v in files.items() if v is not None},
-               mtime_log=mtime(log), mtime_metrics=mtime(metrics), free=free_bytes(path),
+    out.update(exists=True, alive=state["alive"], state=state["state"], detail=state["detail"],
+               idle_s=state["idle_s"], files=state["files"], free=free_bytes(path),
                metrics=tail_lines(metrics, int(args.get("metric_lines", 20)), cap=METRIC_LINE_CAP),
                log=tail_lines(log, int(args.get("log_lines", 40))))
     out["data"] = read_text(os.path.join(path, "data.json"), 4000)
     latest = os.path.join(path, "checkpoints", "latest")
-    if os.path.isfile(latest):
-        out["checkpoint"] = {"latest": (read_text(latest, 100) or "").strip(), "mtime": mtime(latest)}
-    evaluation = os.path.join(path, "eval.json")
-    try:
-        small = os.path.getsize(evaluation) <= EVAL_CAP
-    except OSError:
-        small = None
-    out["eval"] = read_text(evaluation, EVAL_CAP) if small else None
-    if small is False:
+    text = read_text(latest, 100)
+    if text is not None:
+        out["checkpoint"] = {"latest": text.strip(), "mtime": mtime(latest)}
+    text = read_text(os.path.join(path, "eval.json"), EVAL_CAP + 1)
+    out["eval"] = text if text is not None and len(text.encode("utf-8", "replace")) <= EVAL_CAP else None
+    if text is not None and out["eval"] is None:
         out["eval_error"] = f"eval.json is larger than {EVAL_CAP} bytes"
     return out
-
-
-def alive(args):
-    return {"alive": alive_run(args["runs"])}
 
 
 def logs_tail(args):
@@ -316,7 +179,7 @@ def _write(path, text):
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             directory = os.path.dirname(path)
             raise Refused("disk-full",
-                          f"cannot write the run directory {directory} ({_free_text(directory)}): disk "
+                          f"cannot write the run directory {directory} ({free_text(directory)}): disk "
                           "full? read docs/runbooks/disk-full.md") from None
         raise Refused("cannot-write", f"cannot write {path}: {exc.strerror}") from None
 
@@ -394,7 +257,7 @@ def _launch_locked(args, held, directory):
         os.makedirs(directory, exist_ok=True)
     except OSError as exc:
         raise Refused("cannot-write",
-                      f"cannot create {directory}: {exc.strerror} ({_free_text(runs)})") from None
+                      f"cannot create {directory}: {exc.strerror} ({free_text(runs)})") from None
     for stale in ("exit_code", "stopped", "pid", "pgid", "ended"):
         try:
             os.unlink(os.path.join(directory, stale))
@@ -458,11 +321,12 @@ def wait(args):
     directory, offset = os.path.join(args["runs"], args["name"]), int(args.get("offset", 0))
     deadline, partial = time.monotonic() + float(args["timeout"]), b""
 
-    def emit(obj):
-        sys.stdout.write(json.dumps(obj) + "\n")
+    def interrupted(*_):
+        sys.stdout.write(json.dumps({"ok": {"outcome": "interrupted"}}) + "\n")
         sys.stdout.flush()
+        os._exit(130)
 
-    signal.signal(signal.SIGINT, lambda *_: (emit({"outcome": "interrupted"}), os._exit(130)))
+    signal.signal(signal.SIGINT, interrupted)
     log = os.path.join(directory, "train.log")
     ended = None
     while True:
@@ -476,7 +340,7 @@ def wait(args):
         *lines, partial = (partial + data).split(b"\n")
         for raw in lines:
             line = raw.decode("utf-8", "replace")[:LINE_CAP]
-            emit({"line": line})
+            emit(line)
             seen_ready = seen_ready or bool(ready.match(line))
             if step.match(line):
                 return {"outcome": "step", "line": line}
@@ -489,6 +353,104 @@ def wait(args):
         if time.monotonic() >= deadline:
             return {"outcome": "timeout", "ready": seen_ready}
         time.sleep(0.2)
+
+
+# --- follow ----------------------------------------------------------------------------------------
+
+FOLLOW_READ = 1 << 16
+
+
+def follow(args):
+    """`logs --follow`: stream the run's log with `tail -F` (it survives the log being rotated or
+    recreated by a restart) until the run ends, then answer how it ended.
+
+    Streams {"run": name} first, then {"line": ...} per log line and per note of tail's ("file
+    truncated"), each cut to LINE_CAP characters (a line
+    of any length costs time linear in its length and memory bounded by the cut). The run has ended
+    when nobody has held the runs lock for 1 s (after a stop: for `grace` s, so that a restart of the
+    same run is followed). Ctrl-C (SIGINT through the pty) or a hang-up ends tail and this process:
+    `tail --pid` also ends once this process is gone, however it died; nothing is left behind.
+    """
+    import select
+    import signal
+    import subprocess
+
+    runs = args["runs"]
+    name, path = resolve_run(runs, args.get("name"))
+    lines, grace = int(args.get("lines", 50)), float(args.get("grace", 15))
+    emit(run=name)
+    tail = subprocess.Popen(["tail", "-n", str(max(0, lines)), "-F", f"--pid={os.getpid()}", "--",
+                             os.path.join(path, "train.log")],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+    def end(code):
+        def handler(*_):
+            tail.kill()
+            os._exit(code)
+        return handler
+
+    for sig, code in ((signal.SIGINT, 130), (signal.SIGHUP, 129), (signal.SIGTERM, 143)):
+        signal.signal(sig, end(code))
+    reader = LineCutter(LINE_CAP)
+    gone, last_check = 0, time.monotonic()
+    fd = tail.stdout.fileno()
+    while True:
+        ready = select.select([fd], [], [], 1.0)[0]
+        if ready:
+            data = os.read(fd, FOLLOW_READ)
+            if not data:
+                break  # tail ended (its --pid, or the file system went away)
+            for line in reader.feed(data):
+                emit(line)
+        if time.monotonic() - last_check >= 1.0:
+            last_check = time.monotonic()
+            gone = 0 if run_alive(runs, name) else gone + 1
+            limit = grace if os.path.lexists(os.path.join(path, "stopped")) else 1
+            if gone >= limit:
+                break
+    deadline = time.monotonic() + 1.0  # the wrapper's last line follows the end
+    while time.monotonic() < deadline and select.select([fd], [], [], 0.2)[0]:
+        data = os.read(fd, FOLLOW_READ)
+        if not data:
+            break
+        for line in reader.feed(data):
+            emit(line)
+    tail.kill()
+    tail.wait()
+    for line in reader.rest():
+        emit(line)
+    state = state_of_run(runs, name, path, int(time.time()), float(args.get("stall_after", 600)))
+    return {"run": name, "state": state["state"], "detail": state["detail"],
+            "exit_code": state["files"].get("exit_code")}
+
+
+class LineCutter:
+    """Bytes in, complete lines out (decoded, cut to `cap` characters); a line longer than that keeps
+    its first `cap` characters and the rest is dropped as it arrives: linear time, bounded memory."""
+
+    def __init__(self, cap):
+        self.cap, self.parts, self.size, self.cut = cap, [], 0, False
+
+    def feed(self, data):
+        out = []
+        pieces = data.split(b"\n")
+        for i, piece in enumerate(pieces):
+            if not self.cut:
+                room = self.cap * 4 - self.size
+                self.parts.append(piece[:room])
+                self.size += min(len(piece), room)
+                self.cut = len(piece) > room
+            if i < len(pieces) - 1:  # a newline ends this line
+                out.append(self._line())
+        return out
+
+    def _line(self):
+        line = b"".join(self.parts).decode("utf-8", "replace")[:self.cap]
+        self.parts, self.size, self.cut = [], 0, False
+        return line
+
+    def rest(self):
+        return [self._line()] if self.parts and self.size else []
 
 
 # --- stop -------------------------------------------------------------------------------------------
@@ -620,21 +582,6 @@ def warmup(args):
     os.execv(argv[0], argv)
 
 
-def dir_usage(path):
-    """Apparent size and number of files under path (no symlinks followed)."""
-    size = files = 0
-    if not os.path.isdir(path):
-        return {"exists": False, "bytes": 0, "files": 0}
-    for base, _dirs, names in os.walk(path):
-        for name in names:
-            try:
-                size += os.lstat(os.path.join(base, name)).st_size
-                files += 1
-            except OSError:
-                pass
-    return {"exists": True, "bytes": size, "files": files}
-
-
 def clean_caches(args):
     """Remove the caches while holding the runs lock, so no run can start meanwhile;
     refuse if one is alive."""
@@ -642,7 +589,7 @@ def clean_caches(args):
     fd = runs_lock(runs) if os.path.isdir(runs) else None
     busy = None if fd is not None or not os.path.isdir(runs) else (current_run(runs) or "?")
     if busy and not args.get("force"):
-        return {"refused": busy}
+        raise Refused("busy", f"run {busy} is alive", run=busy)
     freed = {}
     for name, path in sorted(args["caches"].items()):
         usage = dir_usage(path)
@@ -658,22 +605,9 @@ def clean_caches(args):
     return {"freed": freed, "alive": busy}
 
 
-VERBS = {"status": status, "alive": alive, "logs-tail": logs_tail, "metrics": metrics, "launch": launch,
+VERBS = {"status": status, "logs-tail": logs_tail, "follow": follow, "metrics": metrics, "launch": launch,
          "wait": wait, "stop": stop, "warmup": warmup, "clean-caches": clean_caches}
 
 
-def serve(argv):
-    """`<verb> <json>` -> one JSON line on stdout; a refusal or an unexpected failure is a field."""
-    try:
-        verb, payload = argv[1], json.loads(argv[2])
-        answer = VERBS[verb](payload)
-    except Refused as refused:
-        answer = refused.answer
-    except Exception as exc:  # a bug or an odd container: still one line the local side can show
-        answer = {"error": "internal", "message": f"{type(exc).__name__}: {str(exc)[:300]}"}
-    sys.stdout.write(json.dumps(answer) + "\n")
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(serve(sys.argv))
+    serve(VERBS)

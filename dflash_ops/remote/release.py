@@ -1,7 +1,8 @@
 """Stage a new code release inside the container and swap it in atomically.
 
-Sent as the text of `python -c` to `container.python` (standard library only, Python >= 3.8) with one
-JSON argument: {"code", "releases", "tarball", "release", "tree", "keep"}.
+Shipped after prelude.py to `container.python` (standard library only, Python >= 3.8): one verb,
+`install`, with one JSON object {"code", "releases", "tarball", "release", "tree", "keep"}; the
+prelude's one answer out ({"ok": {"release", "previous", "pruned"}}, or a refusal).
 
 Layout: `code` is a symlink to `releases/<release>`. The new release is built in
 `releases/.stage-<release>-<pid>` from a copy of the current one plus the tarball's changed files
@@ -15,9 +16,10 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 import tarfile
 import time
+
+from dflash_ops.remote.prelude import Refused, serve
 
 MANIFEST = ".dflash-manifest.json"
 
@@ -42,7 +44,7 @@ def safe_members(tar):
     for member in tar.getmembers():
         name = os.path.normpath(member.name)
         if name.startswith(("/", "..")) or not (member.isfile() or member.isdir()):
-            raise SystemExit(f"deploy: refusing tar member {member.name!r}")
+            raise Refused("unsafe", f"deploy: refusing tar member {member.name!r}")
         yield member
 
 
@@ -69,7 +71,8 @@ def stage(current, tarball, stage_dir):
             os.rmdir(base)
     for rel, digest in manifest["files"].items():
         if sha256(os.path.join(stage_dir, rel)) != digest:
-            raise SystemExit(f"deploy: {rel} does not match its hash after staging; previous release kept")
+            raise Refused("mismatch",
+                          f"deploy: {rel} does not match its hash after staging; previous release kept")
 
 
 def swap(code, release_dir):
@@ -128,11 +131,17 @@ def install(code, releases, args):
     return {"release": release_dir, "previous": current, "pruned": pruned}
 
 
-if __name__ == "__main__":
-    payload = json.loads(sys.argv[1])
+def install_verb(args):
+    """`install`: stage and swap; the uploaded tarball is removed whatever happens."""
     try:
-        result = main(payload)
+        return main(args)
     finally:
-        if os.path.exists(payload["tarball"]):
-            os.unlink(payload["tarball"])
-    sys.stdout.write(json.dumps(result) + "\n")
+        if os.path.exists(args["tarball"]):
+            os.unlink(args["tarball"])
+
+
+VERBS = {"install": install_verb}
+
+
+if __name__ == "__main__":
+    serve(VERBS)

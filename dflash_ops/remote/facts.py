@@ -1,20 +1,29 @@
-"""Facts about one container, gathered inside it in one round trip; also the compile-cache cleaner.
+"""Facts about one container, gathered inside it in one round trip (deploy's probe, doctor).
 
-This file is sent as the text of `python -c` to the container's own interpreter (`container.python`),
-so it uses the standard library only and runs on Python >= 3.8. Its one argument is a JSON object;
-it prints one JSON object. Parsing lives on the local side (dflash_ops.doctor / deploy / caches).
+Shipped after prelude.py (ship.py) to the container's own interpreter: standard library only,
+Python >= 3.8, one verb (`facts`) and one JSON object in, the prelude's one answer out. Parsing
+lives on the local side (dflash_ops.doctor / deploy, remote/readings.py).
 
-    python -c "$(cat container_runs.py container_facts.py)" facts '{"code": ..., "want": [...]}'
+    python -S -c LOADER <prelude + this file, packed> facts '{"code": ..., "want": [...]}'
 
-For the "runs" and "caches" facts it travels after container_runs.py's definitions (facts.py joins
-them), whose `alive_run` says which run holds the runs lock and whose `dir_usage` measures a cache:
-one implementation each. Alone (deploy's probe) it imports only what a no-change deploy needs:
-subprocess and shutil wait until torch or nvidia-smi is asked for.
+The prelude's `alive_run` says which run holds the runs lock and its `dir_usage` measures a cache.
+It imports only what a no-change deploy needs: subprocess and shutil wait until torch or nvidia-smi
+is asked for.
 """
 
 import json
 import os
-import sys
+
+from dflash_ops.remote.prelude import (
+    Refused,
+    alive_run,
+    check_deadline,
+    dir_usage,
+    open_regular,
+    read_json,
+    read_text,
+    serve,
+)
 
 # the interpreter's own sha256: hashlib would first load OpenSSL's libcrypto (slower than the hashing here)
 try:
@@ -29,12 +38,6 @@ MANIFEST = ".dflash-manifest.json"
 REQUIREMENTS_STAMP = ".dflash-requirements.sha256"
 TORCH_RECORD = ".dflash-torch-check.json"  # the last passing torch check and what it depended on
 # Run by the venv's interpreter: a broken venv or torch shows up as a non-zero exit with its stderr.
-try:  # shipped with container_runs.py's definitions before this text (facts.py, runs or caches asked)
-    alive_run, dir_usage  # noqa: B018, F821
-except NameError:
-    if __name__ != "__main__":  # imported on the local side; shipped alone, those facts are not asked
-        from dflash_ops.container_runs import alive_run, dir_usage
-
 TORCH_CHECK = ("import json, torch; print(json.dumps({'torch': torch.__version__, 'cuda': "
                "torch.version.cuda, 'available': torch.cuda.is_available(), 'count': "
                "torch.cuda.device_count()}))")
@@ -44,13 +47,18 @@ def tree_hashes(root):
     """sha256 of every file under root (relative paths), skipping bytecode and the manifest."""
     out = {}
     for base, dirs, names in os.walk(root):
+        check_deadline(f"hashing {root}")
         dirs[:] = sorted(d for d in dirs if d != "__pycache__")
         for name in names:
             path = os.path.join(base, name)
             rel = os.path.relpath(path, root)
-            if rel == MANIFEST or name.endswith(".pyc") or not os.path.isfile(path):
+            if rel == MANIFEST or name.endswith(".pyc"):
                 continue
-            with open(path, "rb") as f:
+            try:
+                fd = open_regular(path)
+            except OSError:
+                continue
+            with os.fdopen(fd, "rb") as f:
                 out[rel] = sha256(f.read()).hexdigest()
     return out
 
@@ -60,11 +68,8 @@ def code_fact(code):
         return {"exists": False}
     fact = {"exists": True, "link": os.path.islink(code), "release": os.path.realpath(code),
             "files": tree_hashes(code), "tree": None}
-    try:
-        with open(os.path.join(code, MANIFEST)) as f:
-            fact["tree"] = json.load(f).get("tree")
-    except (OSError, ValueError):
-        pass
+    manifest = read_json(os.path.join(code, MANIFEST), 1 << 24)
+    fact["tree"] = manifest.get("tree") if isinstance(manifest, dict) else None
     return fact
 
 
@@ -75,21 +80,10 @@ def gpu_set(env):
         nodes = sorted(n for n in os.listdir("/dev") if n.startswith("nvidia"))
     except OSError:
         nodes = []
-    try:
-        with open("/proc/driver/nvidia/version") as f:
-            driver = f.readline().strip()
-    except OSError:
-        driver = None
+    version = read_text("/proc/driver/nvidia/version", 400)
+    driver = version.split("\n")[0].strip() if version is not None else None
     visible = {k: env[k] for k in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES") if k in env}
     return {"devices": nodes, "driver": driver, "visible": visible}
-
-
-def read_json(path):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
 
 
 def run_torch_check(python, env, record, key):
@@ -119,11 +113,8 @@ def venv_fact(venv, env, torch_check="always"):
     last passing check while the requirements stamp and the GPU set are the same (no torch import)."""
     python = os.path.join(venv, "bin", "python")
     fact = {"python": os.path.exists(python), "requirements": None, "torch": None}
-    try:
-        with open(os.path.join(venv, REQUIREMENTS_STAMP)) as f:
-            fact["requirements"] = f.read().strip()
-    except OSError:
-        pass
+    stamp = read_text(os.path.join(venv, REQUIREMENTS_STAMP), 200)
+    fact["requirements"] = stamp.strip() if stamp is not None else None
     if fact["python"]:
         key = {"requirements": fact["requirements"], "gpus": gpu_set(env)}
         record = os.path.join(venv, TORCH_RECORD)
@@ -142,13 +133,14 @@ def model_fact(model):
     fact = {"dir": os.path.isdir(model), "config": os.path.isfile(path)}
     if fact["config"]:
         try:
-            with open(path) as f:
-                cfg = json.load(f)
+            cfg = read_json(path, 1 << 20)
+            if not isinstance(cfg, dict):
+                raise ValueError("not a JSON object of at most 1 MiB")
             text = cfg.get("text_config") or cfg
             fact.update(model_type=cfg.get("model_type"), text_model_type=text.get("model_type"),
                         multimodal="text_config" in cfg, hidden_size=text.get("hidden_size"),
                         layers=text.get("num_hidden_layers"))
-        except (OSError, ValueError, AttributeError) as exc:
+        except (ValueError, AttributeError) as exc:
             fact["error"] = f"{type(exc).__name__}: {exc}"
     return fact
 
@@ -179,8 +171,14 @@ def free_space(path):
     return {"path": path, "free": st.f_bavail * st.f_frsize, "total": st.f_blocks * st.f_frsize}
 
 
+FACTS = ("code", "venv", "model", "gpus", "space", "caches", "runs", "plan")
+
+
 def facts(args):
-    want = set(args.get("want", ()))
+    want = args.get("want", ())
+    if not isinstance(want, list) or not set(want) <= set(FACTS):
+        raise Refused("bad-input", f"want: a list of facts among {', '.join(FACTS)}")
+    want = set(want)
     env = dict(os.environ)
     out = {"hostname": os.uname()[1]}
     if "code" in want:
@@ -203,7 +201,8 @@ def facts(args):
     return out
 
 
+VERBS = {"facts": facts}
+
+
 if __name__ == "__main__":
-    verb, payload = sys.argv[1], json.loads(sys.argv[2])
-    result = {"facts": facts}[verb](payload)
-    sys.stdout.write(json.dumps(result) + "\n")
+    serve(VERBS)

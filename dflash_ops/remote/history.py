@@ -1,12 +1,13 @@
 """Every run under paths.runs, and pruning old ones, in the container (`invoke runs`, `invoke prune`).
 
-Sent per call like container_facts.py (stdlib only, Python >= 3.8): one JSON argument in, one
-JSON object out. Parsing and display live on the local side (dflash_ops.history).
+Shipped after prelude.py (stdlib only, Python >= 3.8): one verb and one JSON object in, the
+prelude's one answer out. Parsing and display live on the local side (dflash_ops.history).
 
-    list   {"runs", "lock", "current", "stall_after"} -> {"now", "alive", "runs": [record...]}
+    list   {"runs", "stall_after"} -> {"now", "alive", "runs": [record...]}
     prune  {... , "keep", "older_than", "act"} -> {"now", "alive", "runs", "plan": [...], "removed", "lock"}
 
-A run is alive while its processes hold `<runs>/.lock` (jobs.py). `prune` never touches the alive
+A run is alive while its processes hold `<runs>/.lock`; its state is the prelude's run_state, the
+same as `invoke status` says. `prune` never touches the alive
 run, keeps the `keep` newest runs, and of those it removes only checkpoints beyond the run's own
 `train.keep_last` (never the one `checkpoints/latest` names) and leftovers of interrupted saves.
 While it deletes it holds the runs lock, so no run can start (or resume) under it; while a run is
@@ -14,13 +15,22 @@ alive that run holds the lock, which excludes launches just as well, and prune t
 moment the run ends. Each directory is renamed out of view before it is deleted.
 """
 
-import fcntl
 import json
 import os
 import re
 import shutil
-import sys
 import time
+
+from dflash_ops.remote.prelude import (
+    alive_run,
+    check_deadline,
+    number,
+    read_end,
+    read_text,
+    runs_lock,
+    serve,
+    state_of_run,
+)
 
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -29,24 +39,15 @@ KEEP_LAST = re.compile(r"^\s+keep_last:\s*(\d+)\s*$")
 
 
 def read(path, limit=300):
-    try:
-        with open(path, errors="replace") as f:
-            return f.read(limit).strip()
-    except OSError:
-        return None
-
-
-def number(text):
-    try:
-        return int(str(text).split()[0])
-    except (TypeError, ValueError, IndexError):
-        return None
+    text = read_text(path, limit)
+    return text.strip() if text is not None else None
 
 
 def disk_usage(path):
     """Bytes on disk under path (allocated blocks, each inode once, symlinks not followed)."""
     total, seen = 0, set()
     for folder, dirs, files in os.walk(path):
+        check_deadline(f"measuring {path}")
         for name in dirs + files:
             try:
                 st = os.lstat(os.path.join(folder, name))
@@ -60,16 +61,11 @@ def disk_usage(path):
 
 def last_train_record(path):
     """The last `train` line of metrics.jsonl (its last 64 KiB), or {}."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - (1 << 16)))
-            lines = f.read().decode("utf-8", "replace").splitlines()
-    except OSError:
-        return {}
-    for line in reversed(lines):
+    data, _ = read_end(path, 1 << 16)
+    for line in reversed((data or b"").split(b"\n")):
         try:
-            record = json.loads(line)
-        except ValueError:
+            record = json.loads(line.decode("utf-8", "replace"))
+        except (ValueError, RecursionError):
             continue
         if isinstance(record, dict) and record.get("kind", "train") == "train":
             return record
@@ -79,15 +75,11 @@ def last_train_record(path):
 def keep_last_of(run_dir):
     """`train.keep_last` from the run's resolved config.yaml (a flat YAML the trainer writes), or None."""
     section = None
-    try:
-        with open(os.path.join(run_dir, "config.yaml")) as f:
-            for line in f:
-                if line[:1].isalpha():
-                    section = line.split(":")[0]
-                elif section == "train" and KEEP_LAST.match(line):
-                    return int(KEEP_LAST.match(line).group(1))
-    except OSError:
-        pass
+    for line in (read_text(os.path.join(run_dir, "config.yaml"), 1 << 20) or "").split("\n"):
+        if line[:1].isalpha():
+            section = line.split(":")[0]
+        elif section == "train" and KEEP_LAST.match(line):
+            return int(KEEP_LAST.match(line).group(1))
     return None
 
 
@@ -110,72 +102,29 @@ def checkpoints_of(run_dir):
     return latest, steps, leftovers
 
 
-def state_of(run_dir, alive, now, last_activity, stall_after):
-    """The same states as `invoke status` (status.parse_status), from the run directory's files."""
-    if alive:
-        return "stalled" if now - last_activity > stall_after else "running"
-    code = read(os.path.join(run_dir, "exit_code"))
-    if read(os.path.join(run_dir, "stopped")) is not None:
-        return "stopped"
-    if code == "0":
-        return "finished"
-    return "crashed"
-
-
-def run_record(runs, name, alive_name, now, stall_after):
+def run_record(runs, name, now, stall_after):
     run_dir = os.path.join(runs, name)
-    started = number(read(os.path.join(run_dir, "started")))
-    ended = number(read(os.path.join(run_dir, "ended")))
-    mtimes = []
-    for f in ("train.log", "metrics.jsonl"):
-        try:
-            mtimes.append(int(os.stat(os.path.join(run_dir, f)).st_mtime))
-        except OSError:
-            pass
-    last_activity = max([t for t in [started, ended] + mtimes if t] or [int(os.stat(run_dir).st_mtime)])
-    alive = name == alive_name
+    state = state_of_run(runs, name, run_dir, now, stall_after)
+    started, ended = number(state["files"].get("started")), number(state["files"].get("ended"))
+    last_activity = state["last_activity"]
+    if last_activity is None:
+        last_activity = int(os.lstat(run_dir).st_mtime)
+    alive = state["alive"]
     train = last_train_record(os.path.join(run_dir, "metrics.jsonl"))
     latest, steps, leftovers = checkpoints_of(run_dir)
     return {
-        "name": name, "state": state_of(run_dir, alive, now, last_activity, stall_after), "alive": alive,
+        "name": name, "state": state["state"], "detail": state["detail"], "alive": alive,
         "step": train.get("step"), "loss": train.get("loss"),
         "acceptance_length": train.get("acceptance_length"),
         "started": started, "ended": ended, "last_activity": last_activity,
         "duration_s": ((ended if ended and not alive else now) - started) if started else None,
-        "exit_code": read(os.path.join(run_dir, "exit_code")), "bytes": disk_usage(run_dir),
+        "exit_code": state["files"].get("exit_code"), "bytes": disk_usage(run_dir),
         "latest_checkpoint": latest, "checkpoints": steps, "leftovers": leftovers,
         "keep_last": keep_last_of(run_dir),
     }
 
 
-def lock_state(fd):
-    """'exclusive' or 'shared' if we now hold the runs lock (shared: a warm-up holds it too, which
-    also keeps launches out), None while a run holds it."""
-    for how, flag in (("exclusive", fcntl.LOCK_EX), ("shared", fcntl.LOCK_SH)):
-        try:
-            fcntl.flock(fd, flag | fcntl.LOCK_NB)
-            return how
-        except OSError:
-            pass
-    return None
-
-
-def current_alive(args):
-    """The alive run's name, or None. Call it while holding no lock of our own."""
-    try:
-        probe = os.open(args["lock"], os.O_RDONLY)
-    except OSError:
-        return None  # no lock file: no run was ever launched here
-    try:
-        fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return None
-    except OSError:
-        return read(args["current"]) or "?"
-    finally:
-        os.close(probe)
-
-
-def everything(args, alive):
+def everything(args):
     runs, now = args["runs"], int(time.time())
     try:
         names = sorted(n for n in os.listdir(runs)
@@ -183,15 +132,14 @@ def everything(args, alive):
                        and not os.path.islink(os.path.join(runs, n)))
     except OSError:
         names = []
-    records = [run_record(runs, n, alive, now, float(args.get("stall_after", 600))) for n in names]
+    records = [run_record(runs, n, now, float(args.get("stall_after", 600))) for n in names]
     records.sort(key=lambda r: (r["started"] or r["last_activity"], r["name"]), reverse=True)  # newest first
     return now, records
 
 
 def list_runs(args):
-    alive = current_alive(args)
-    now, records = everything(args, alive)
-    return {"now": now, "alive": alive, "runs": records}
+    now, records = everything(args)
+    return {"now": now, "alive": alive_run(args["runs"]), "runs": records}
 
 
 def plan(records, keep, older_than, now):
@@ -217,31 +165,32 @@ def plan(records, keep, older_than, now):
     return out
 
 
-def open_lock(args):
-    if not os.path.isdir(args["runs"]):
-        return None
-    try:
-        return os.open(args["lock"], os.O_CREAT | os.O_RDWR, 0o644)
-    except OSError:
-        return None
+def take_lock(runs):
+    """(fd, "exclusive" | "shared") holding the runs lock (shared: a warm-up holds it too, which also
+    keeps launches out), or (None, None) while a run holds it or there is no runs directory."""
+    if not os.path.isdir(runs):
+        return None, None
+    for how, shared in (("exclusive", False), ("shared", True)):
+        fd = runs_lock(runs, shared=shared)
+        if fd is not None:
+            return fd, how
+    return None, None
 
 
 def prune(args):
-    keep, older_than = int(args["keep"]), args.get("older_than")
-    fd = open_lock(args) if args.get("act") else None
-    held = None
+    keep, older_than, runs = int(args["keep"]), args.get("older_than"), args["runs"]
+    fd, held = take_lock(runs) if args.get("act") else (None, None)
     try:
-        held = lock_state(fd) if fd is not None else None
-        alive = current_alive(args) if held is None else None
-        now, records = everything(args, alive)
+        alive = alive_run(runs) if held is None else None
+        now, records = everything(args)
         todo = plan(records, keep, older_than, now)
         removed = []
         for item in todo if args.get("act") else []:
-            if held is None and fd is not None:
-                held = lock_state(fd)  # the alive run ended: from now on we hold the lock
-                if held is None and current_alive(args) == item["run"]:
+            if held is None:
+                fd, held = take_lock(runs)  # the alive run ended: from now on we hold the lock
+                if held is None and alive_run(runs) == item["run"]:
                     continue  # a run of this name was started meanwhile: not ours to delete
-            path = os.path.join(args["runs"], item["path"])
+            path = os.path.join(runs, item["path"])
             doomed = os.path.join(os.path.dirname(path), f".prune-{os.path.basename(path)}-{os.getpid()}")
             try:
                 os.rename(path, doomed)
@@ -256,7 +205,8 @@ def prune(args):
             os.close(fd)
 
 
+VERBS = {"list": list_runs, "prune": prune}
+
+
 if __name__ == "__main__":
-    verb, payload = sys.argv[1], json.loads(sys.argv[2])
-    result = {"list": list_runs, "prune": prune}[verb](payload)
-    sys.stdout.write(json.dumps(result) + "\n")
+    serve(VERBS)

@@ -1,0 +1,384 @@
+"""The prelude of every shipped helper: the one answer format, the bounded readers, the run primitives.
+
+Sent ahead of each helper (runs.py, facts.py, fetch.py, history.py, release.py) as the text of one
+`python -S -c` in the container (ship.py joins them), so it is standard library only and runs on
+Python >= 3.8. Locally the helpers import it as a module (tests, and the names the local side shares
+with the container: `run_state`, `describe_exit`).
+
+The protocol, one for every helper: `<verb> <one JSON object>` in; out, on stdout, any number of
+streamed items (`{"line": ...}` of a log being followed, `{"run": ...}`, a hashing mark; never with
+an "ok" or "error" key) and then exactly one answer line, as Ansible modules answer through
+exit_json/fail_json:
+
+    {"ok": <the verb's result>}
+    {"error": "<kind>", "message": "<one line>", ...extra}
+
+`Refused(kind, message, **extra)` is how a verb refuses; a payload that is not what the verb expects
+is `bad-input`, a bug `internal`: never a traceback, never an exit code to decode.
+
+Everything read here is the container's data, read by root in the container: every file is opened
+O_NONBLOCK|O_NOFOLLOW and refused unless it is a regular file (a FIFO in a run directory would block
+an open or a read for ever), read up to a cap, split on `\n` only, decoded with replacement; walks
+stop at the call's deadline (`time_left`).
+
+The run primitives: a run is alive while its processes hold `<runs>/.lock` exclusively (flock, taken
+by the launch and inherited by the wrapper and the training process); `<runs>/.current` names the
+run that took it. A warm-up holds it shared; clean-caches and prune exclusively while deleting.
+`run_state` is the one state machine of a run (status, runs, prune, logs --follow and watch read it).
+"""
+
+import json
+import os
+import stat
+import sys
+import time
+
+LOCK, CURRENT = ".lock", ".current"
+RUN_FILES = ("pid", "pgid", "started", "ended", "exit_code", "stopped", "code_version")
+STATES = ("none", "missing", "running", "stalled", "finished", "crashed", "stopped")
+FILE_CAP = 300            # bytes kept of each small run file (pid, exit_code, ...)
+LINE_CAP = 2000           # characters kept of a log line
+TAIL_WINDOW = 1 << 20     # bytes read from a file's end for its last lines
+DEFAULT_DEADLINE_S = 60.0  # a verb's walks stop after this (the payload's "deadline_s" overrides it)
+_DEADLINE = [time.monotonic() + DEFAULT_DEADLINE_S]
+
+
+class Refused(Exception):
+    """A verb's answer is a refusal: {"error": kind, "message": one line, ...extra}."""
+
+    def __init__(self, kind, message, **extra):
+        Exception.__init__(self, message)
+        self.answer = dict(extra, error=kind, message=message)
+
+
+# --- the answer -------------------------------------------------------------------------------------
+
+def _write_line(obj):
+    try:
+        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.flush()
+    except (BrokenPipeError, ValueError):  # the reader is gone: stop working for nobody
+        os._exit(1)
+
+
+def emit(line=None, **fields):
+    """Stream one item before the answer: {"line": text} (a log line), or other fields ({"run": name});
+    never "ok" or "error", which only the answer has."""
+    _write_line({"line": line} if line is not None else fields)
+
+
+def serve(verbs, argv=None):
+    """`<verb> <json>` -> the verb's streamed lines, then one answer line: {"ok"} or {"error", "message"}."""
+    argv = sys.argv if argv is None else argv
+    try:
+        if len(argv) != 3 or argv[1] not in verbs:
+            raise Refused("usage", f"expected one of {', '.join(sorted(verbs))} and one JSON object")
+        try:
+            payload = json.loads(argv[2])
+        except (ValueError, RecursionError):
+            raise Refused("usage", "the payload is not JSON") from None
+        if not isinstance(payload, dict):
+            raise Refused("usage", "the payload is not a JSON object")
+        deadline = payload.get("deadline_s", DEFAULT_DEADLINE_S)
+        if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not 0 < deadline < 1e6:
+            raise Refused("bad-input", "deadline_s is not a number of seconds")
+        _DEADLINE[0] = time.monotonic() + deadline
+        answer = {"ok": verbs[argv[1]](payload)}
+    except Refused as refused:
+        answer = refused.answer
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        answer = {"error": "bad-input", "message": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    except Exception as exc:  # a bug or an odd container: still one line the local side can show
+        answer = {"error": "internal", "message": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    _write_line(answer)
+    return 0
+
+
+def time_left():
+    return _DEADLINE[0] - time.monotonic()
+
+
+def check_deadline(what):
+    if time_left() <= 0:
+        raise Refused("timeout", f"{what} took longer than the call's deadline")
+
+
+# --- the bounded readers ---------------------------------------------------------------------------
+
+def open_regular(path, follow=False):
+    """A read-only fd of `path` if it is a regular file (never blocks: a FIFO or a device is refused);
+    OSError otherwise (FileNotFoundError when absent). `follow`: a symlink may lead to it."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | (0 if follow else os.O_NOFOLLOW)
+    fd = os.open(path, flags)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(22, "not a regular file", path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd  # O_NONBLOCK stays: it changes nothing for a regular file
+
+
+def read_bytes(path, cap, follow=False):
+    """At most the first `cap` bytes of a regular file; None if absent or not a regular file."""
+    try:
+        fd = open_regular(path, follow)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        return f.read(cap)
+
+
+def read_text(path, cap=FILE_CAP):
+    """The first `cap` bytes of a regular file as text (None if absent or not regular)."""
+    data = read_bytes(path, cap)
+    return None if data is None else data.decode("utf-8", "replace")
+
+
+def read_json(path, cap=1 << 20):
+    """A small regular JSON file's object, or None (absent, larger than `cap`, torn, too deep)."""
+    data = read_bytes(path, cap + 1)
+    if data is None or len(data) > cap:
+        return None
+    try:
+        value = json.loads(data.decode("utf-8", "replace"))
+    except (ValueError, RecursionError):
+        return None
+    return value
+
+
+def read_end(path, window):
+    """(at most the last `window` bytes of a regular file, the offset they start at); (None, 0) if not."""
+    try:
+        fd = open_regular(path)
+    except OSError:
+        return None, 0
+    with os.fdopen(fd, "rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        start = max(0, size - window)
+        f.seek(start)
+        return f.read(size - start), start
+
+
+def end_lines(data, start):
+    """The complete lines of a file's end read from `start` (the first one is cut unless start is 0)."""
+    lines = data.split(b"\n")
+    return lines[1:] if start > 0 else lines
+
+
+def tail_lines(path, count, window=TAIL_WINDOW, cap=LINE_CAP):
+    """The last `count` lines of a file, reading at most `window` bytes from its end."""
+    data, start = read_end(path, window) if count > 0 else (None, 0)
+    if not data:
+        return []
+    lines = end_lines(data, start)
+    if lines and lines[-1] == b"":
+        lines.pop()
+    return [line[:cap * 4].decode("utf-8", "replace")[:cap] for line in lines[-count:]]
+
+
+def mtime(path):
+    try:
+        return int(os.lstat(path).st_mtime)
+    except OSError:
+        return None
+
+
+def free_bytes(path):
+    try:
+        st = os.statvfs(path)
+        return st.f_bavail * st.f_frsize
+    except OSError:
+        return None
+
+
+def free_near(path):
+    """Bytes free on the filesystem that holds path, or would hold it (its nearest existing parent)."""
+    probe = path
+    while probe not in ("", "/") and not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    return free_bytes(probe or "/")
+
+
+def free_text(path):
+    free = free_near(path)
+    return "unknown free" if free is None else f"{human(free)} free"
+
+
+def human(n):
+    """df -h's way: 0, 512K, 1.5M, 20G."""
+    for unit in ("", "K", "M", "G", "T"):
+        if n < 1024 or unit == "T":
+            return f"{int(n)}{unit}" if unit == "" or n >= 10 else f"{n:.1f}{unit}"
+        n /= 1024.0
+
+
+def dir_usage(path):
+    """Apparent size and number of files under path (no symlinks followed; stops at the deadline)."""
+    size = files = 0
+    if not os.path.isdir(path):
+        return {"exists": False, "bytes": 0, "files": 0}
+    for base, _dirs, names in os.walk(path):
+        check_deadline(f"measuring {path}")
+        for name in names:
+            try:
+                size += os.lstat(os.path.join(base, name)).st_size
+                files += 1
+            except OSError:
+                pass
+    return {"exists": True, "bytes": size, "files": files}
+
+
+# --- the run primitives ----------------------------------------------------------------------------
+
+def runs_lock(runs, shared=False, wait=0.0, create=True):
+    """An fd holding the runs lock (exclusive, or shared), or None when it is held the other way (or,
+    with create=False, when there is no lock file).
+
+    The one implementation of the lock: launch, warm-up, stop, clean-caches, prune, and the probes of
+    run_alive/alive_run. Waits up to `wait` seconds. Closing the fd (or the process ending) releases
+    it, unless a child inherited it: that is how a run keeps it for its whole life.
+    """
+    import fcntl  # not at the top: deploy's probe reads no lock
+
+    path = os.path.join(runs, LOCK)
+    flags = os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | os.O_NOFOLLOW
+    try:
+        fd = os.open(path, flags | ((os.O_CREAT | os.O_RDWR) if create else os.O_RDONLY), 0o644)
+    except OSError:
+        if create:
+            message = f"cannot create the runs lock in {runs}: {free_text(runs)}"
+            raise Refused("cannot-write", message) from None
+        return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise Refused("unsafe", f"{path} is not a regular file: refusing it as the runs lock")
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+            return fd
+        except OSError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                return None
+            time.sleep(0.05)
+
+
+def lock_held(runs):
+    """'exclusive' (a run), 'shared' (a warm-up) or None: how the runs lock is held by others."""
+    if not os.path.lexists(os.path.join(runs, LOCK)):
+        return None  # no run was ever launched here
+    fd = runs_lock(runs, shared=True, create=False)
+    if fd is None:
+        return "exclusive"
+    os.close(fd)
+    fd = runs_lock(runs, create=False)
+    if fd is None:
+        return "shared"
+    os.close(fd)
+    return None
+
+
+def current_run(runs):
+    name = (read_text(os.path.join(runs, CURRENT), 200) or "").strip()
+    return name or None
+
+
+def run_alive(runs, name):
+    """Is run `name` alive: .current names it and someone holds the runs lock exclusively."""
+    return bool(name) and current_run(runs) == name and lock_held(runs) == "exclusive"
+
+
+def alive_run(runs):
+    """The name of the run holding the runs lock ("?" when .current is unreadable), or None."""
+    if lock_held(runs) != "exclusive":
+        return None
+    return current_run(runs) or "?"
+
+
+def resolve_run(runs, name=None):
+    """(name, run dir) of run `name`, or of the latest; Refused("no-run") when there is none."""
+    name = name or current_run(runs)
+    if not name:
+        raise Refused("no-run", f"no run yet under {runs}")
+    if "/" in name or name.startswith(".") or "\0" in name:
+        raise Refused("no-run", f"no run named {name[:80]!r} under {runs}")
+    path = os.path.join(runs, name)
+    if not os.path.isdir(path) or os.path.islink(path):
+        raise Refused("no-run", f"no run named {name} under {runs}")
+    return name, path
+
+
+def run_files(path):
+    """The run's small files (pid, pgid, started, ...): their first FILE_CAP bytes on one line each."""
+    files = {}
+    for name in RUN_FILES:
+        text = read_text(os.path.join(path, name))
+        if text is not None:
+            files[name] = " ".join(text.split("\n")).strip()
+    return files
+
+
+def number(text):
+    """The leading integer of a run file's text, or None."""
+    word = (text or "").split()[:1]
+    return int(word[0]) if word and word[0].isdigit() and len(word[0]) < 19 else None
+
+
+def last_activity(path, files):
+    """The newest of the run's start, end, and its log's and metrics' mtimes (container clock), or None."""
+    times = [number(files.get("started")), number(files.get("ended")),
+             mtime(os.path.join(path, "train.log")), mtime(os.path.join(path, "metrics.jsonl"))]
+    times = [t for t in times if t]
+    return max(times) if times else None
+
+
+def describe_exit(code):
+    """`signal 9` -> `killed by signal 9 (SIGKILL)`; `3` -> `exit 3`; None -> why there is none."""
+    if code is None:
+        return "no exit code recorded (its wrapper was killed too, or the container restarted)"
+    if code.startswith("signal "):
+        import signal
+
+        num = number(code[7:])
+        try:
+            name = signal.Signals(num).name
+        except (TypeError, ValueError):
+            name = "?"
+        return f"killed by signal {num} ({name})"
+    return f"exit {code}"
+
+
+STOPPED_HOW = {"term": "stopped with SIGTERM", "kill": "stopped with SIGKILL after the grace period",
+               "requested": "stop was requested"}
+
+
+def run_state(files, alive, idle_s, stall_after):
+    """The one state machine of a run: (state, detail) from its files, whether it holds the runs lock,
+    and how long it has been quiet. States: running, stalled, stopped, finished, crashed."""
+    if alive:
+        if idle_s is not None and idle_s > stall_after:
+            return "stalled", f"no new log line or metric for {idle_s} s (threshold {stall_after:g} s)"
+        return "running", ""
+    code, stopped = files.get("exit_code"), files.get("stopped")
+    if stopped is not None:
+        how = (stopped.split() or [""])[0]
+        detail = STOPPED_HOW.get(how, f"stopped ({stopped})")
+        return "stopped", detail + (", " + describe_exit(code) if code is not None else "")
+    if code == "0":
+        return "finished", "exit 0"
+    if files.get("pid") is None and code is None:
+        return "crashed", "the training process never started"
+    return "crashed", describe_exit(code)
+
+
+def state_of_run(runs, name, path, now, stall_after):
+    """run_state of a run directory, with what it was decided from: {state, detail, alive, files, idle_s}."""
+    files = run_files(path)
+    alive = run_alive(runs, name)
+    activity = last_activity(path, files)
+    idle = max(0, now - activity) if activity is not None else None
+    state, detail = run_state(files, alive, idle, stall_after)
+    return {"state": state, "detail": detail, "alive": alive, "files": files, "idle_s": idle,
+            "last_activity": activity}

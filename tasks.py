@@ -469,15 +469,17 @@ def metrics(t, run=None, plot=None, n=20, ct=None, inventory=None, dry_run=False
 @op_task(help={"run": "run name", "to": "local directory (DIR/config.json, DIR/model.safetensors)",
                "checkpoint": "latest or step-N", "force": "replace the checkpoint's files in a non-empty DIR",
                "with_state": "also bring training_state.pt (optimizer state, about twice the weights)",
-               "timeout": "seconds for the whole transfer (default: 300 plus the size at 5 MiB/s)"})
+               "timeout": "seconds for each file's transfer (default: 300 plus the bytes moved at 5 MiB/s)"})
 def fetch(t, run, to, checkpoint="latest", force=False, with_state=False, timeout=0.0, ct=None,
           inventory=None, dry_run=False):
     """Bring a checkpoint back from the container, verified by sha256 computed in the container.
 
-    The files travel container -> host (`pct pull`, checked on the host) -> here (SFTP, streamed) into
-    a temporary directory inside DIR; each file is renamed into DIR only when its size and sha256
-    match the container's. DIR then loads with `DFlashDraftModel.from_pretrained(DIR)`. Names and the
-    checkpoint directory are never taken from the container. Refuses a non-empty DIR unless --force.
+    Each file streams from the container (`pct exec ... cat`, nothing written on the host) into a
+    temporary directory inside DIR, and is renamed into DIR only when its size and sha256 match the
+    container's. DIR then loads with `DFlashDraftModel.from_pretrained(DIR)`. Names and the
+    checkpoint directory are never taken from the container; a file claiming more than twice what it
+    occupies there (a sparse file) is refused, and the checkpoint must fit DIR's free space. Refuses a
+    non-empty DIR unless --force.
     """
     from dflash_ops import fetch as fetch_mod
 

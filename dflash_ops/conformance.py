@@ -20,7 +20,7 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from . import commands, fetch, terminal, transport
+from . import commands, terminal, transport
 from .errors import (
     ContainerMissing,
     ContainerStopped,
@@ -269,21 +269,6 @@ def _failed_push_caught(host):
     return not extra, "; ".join(did)
 
 
-def _failed_pull_named(host):
-    absent = fetch.RemoteFile("absent", "0" * 64, 10)
-    r = host.run(fetch.pull_line(host.ct, host.ct_scratch, host.host_scratch, [absent]))
-    landed = fetch.parse_host_check(r.stdout, [absent])
-    said = fetch.pull_errors(r.stderr).get("absent", "")
-    if not said or landed.get("absent", (None,))[0] not in (None, 0):
-        return False, shown(r)
-    try:
-        fetch.check_pulls(host.ct, host.ct_scratch, [absent], landed, fetch.pull_errors(r.stderr),
-                          "the destination")
-    except RemoteCommandFailed as exc:
-        return said in str(exc), f"pct said {said!r}; the tool: {exc}"
-    return False, f"pct said {said!r}; the tool reported no error"
-
-
 def _checks() -> list[Check]:
     exec_line = "pct exec CT -- env -i [-C DIR] -- K=V ... argv (commands.pct_exec)"
     checks = [
@@ -330,9 +315,6 @@ def _checks() -> list[Check]:
               "missing dir (commands.pct_push_verified)",
               "pct's reason on stderr, and a non-zero exit or the check in the container failing "
               f"(exit {commands.PUSH_CHECK_EXIT}); nothing left in the container", _failed_push_caught),
-        Check("a failed pull is named, no whole-looking file", "pct pull of a file that does not exist "
-              "(fetch.pull_line)", "pct's reason on stderr; on the host no file or an empty one; fetch "
-              "names pct's words", _failed_pull_named),
     ]
     return checks
 

@@ -1,20 +1,21 @@
 """`invoke fetch`: bring a run's checkpoint back from the container, verified by sha256.
 
-The container is not trusted (docs/design.md, "Trust boundary"): it chooses no name and no path.
-Round trips:
-1. in the container (remote/fetch.py): resolve the checkpoint to a real `step-N/` directory
-   under the run's `checkpoints/` and hash the files fetch asks for, by fixed name, refusing
-   symlinks and anything that is not a regular file;
-2. on the host: a private directory from `mktemp -d`;
-3. on the host: one `pct pull` per file into that directory, then the size and sha256 of what
-   landed there. A real `pct pull` exits 0 when it fails, truncates its destination first and
-   writes short without a word, so only this check says whether a pull worked, and pct's own
-   stderr says why it did not;
-4. `cat` on the host over its own SSH channel (memory bounded by the SSH window), into a temporary
-   directory inside `--to` (files opened O_EXCL|O_NOFOLLOW relative to the checked directory), hashed
-   while streaming;
-   only when size and sha256 match the container's is each file renamed into `--to`;
-5. on the host: remove the private directory.
+The container is not trusted (docs/design.md, "Trust boundary"): it chooses no name and no path,
+and its numbers bound nothing here. Round trips: 1 + N for N files.
+1. in the container (remote/fetch.py `list`, one answer in the helper protocol): resolve the
+   checkpoint to a real `step-N/` directory under the run's `checkpoints/`, and hash the files fetch
+   asks for, by fixed name, refusing symlinks and anything that is not a regular file; each file's
+   size and the bytes it really occupies (`disk`: st_blocks x 512).
+2. before a byte moves: each file's size must be within its cap, twice the bytes it occupies on the
+   container's disk plus 1 MiB (a sparse file would be written out here whole: a 3 GiB file of
+   holes occupies 2 MiB there; a compressing file system stays well inside 2x), and the whole must
+   fit the free space of `--to`'s file system with FREE_RESERVE to spare.
+3. per file: `pct exec CT -- cat -- FILE` on an SSH channel of its own (memory bounded by the SSH
+   window), into a temporary directory inside `--to` (files opened O_EXCL|O_NOFOLLOW relative to
+   the checked directory), hashed as it arrives; more bytes than the listing said end it; no byte
+   for STALL_S seconds ends it; its deadline grows with the bytes actually moved (TIMEOUT_FLOOR_S +
+   moved / SLOW_BYTES_PER_S; `--timeout` fixes it instead). Only when size and sha256 match the
+   listing's is each file renamed into `--to`. Nothing is written on the host.
 By default only what `DFlashDraftModel.from_pretrained` reads comes back (config.json,
 model.safetensors); `--with-state` adds training_state.pt (optimizer state: about twice the weights).
 """
@@ -30,56 +31,22 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from . import commands, runs, terminal, transport
+from . import commands, runs, terminal
 from .errors import DflashOpsError, ExitStatus, RemoteCommandFailed, RunStateError, UntrustedData, UsageError
 from .remote import ship
+from .remote.readings import human_bytes
 
 MODEL_FILES = ("config.json", "model.safetensors")
 STATE_FILE = "training_state.pt"
 KNOWN_FILES = (*MODEL_FILES, STATE_FILE, "SHA256SUMS")
-HOST_TMP = re.compile(r"/tmp/dflash-fetch\.[A-Za-z0-9]{6,}")
 SHA256 = re.compile(r"[0-9a-f]{64}")
 TEMP_PREFIX = ".dflash-fetch-"
-# Transfer timeout when none is given: a floor, plus the size at a slow link's pace.
+# The transfer's deadline when none is given: a floor, plus the bytes moved so far at a slow link's pace.
 TIMEOUT_FLOOR_S, SLOW_BYTES_PER_S = 300.0, 5 * 2**20
 STALL_S = 60.0
 LIST_TIMEOUT_S = 3600.0  # hashing the checkpoint in the container: a big one at a slow disk's pace
-
-# $1 the host's private dir, then the names: `name size sha256` per file, `-` for what is missing.
-HOST_CHECK = r'''cd -- "$1" || exit 1
-shift
-for f; do
-  s=$(stat -c %s -- "$f" 2>/dev/null) || s=-
-  h=$(sha256sum 2>/dev/null < "$f") || h=-
-  printf '%s %s %s\n' "$f" "$s" "${h%% *}"
-done'''
-
-# The host's private dir for one fetch, made by `mktemp -d`, with `.owner`: the pid and start time of
-# the sshd process that serves this fetch's connection. A fetch killed outright (SIGKILL, a lost
-# client) cannot remove its dir and the copy of the checkpoint in it, so each fetch first removes the
-# dirs (root's own, in /tmp) whose sshd is gone: a fetch still running keeps its connection, so its
-# dir stays. A dir without `.owner` (a fetch between mktemp and the write) stays unless a day old.
-# field PID N: the Nth field of /proc/PID/stat after the comm (2: the ppid, 20: the start time).
-HOST_TEMP = r'''field() {
-  n=$2; s=$(cat "/proc/$1/stat" 2>/dev/null) || return 1; set -- ${s##*) }; eval "echo \"\${$n}\""
-}
-is_sshd() { case $(cat "/proc/$1/comm" 2>/dev/null) in sshd*) return 0;; esac; return 1; }
-for d in /tmp/dflash-fetch.*; do
-  [ -d "$d" ] && [ ! -L "$d" ] && [ -O "$d" ] || continue
-  if [ -f "$d/.owner" ]; then
-    read -r pid start < "$d/.owner" || continue
-    case $pid in ''|*[!0-9]*) continue;; esac
-    [ "$(field "$pid" 20)" = "$start" ] && continue
-  elif [ -z "$(find "$d" -maxdepth 0 -mmin +1440)" ]; then
-    continue
-  fi
-  rm -rf -- "$d"
-done
-d=$(mktemp -d /tmp/dflash-fetch.XXXXXX) || exit 1
-p=$$
-while [ "$p" -gt 1 ] && ! is_sshd "$p"; do p=$(field "$p" 2) || break; done
-if [ "$p" -gt 1 ]; then printf '%s %s\n' "$p" "$(field "$p" 20)" > "$d/.owner"; fi
-printf '%s\n' "$d"'''
+SPARSE_SLACK = 1 << 20   # a file may claim twice the bytes it occupies, plus this
+FREE_RESERVE = 64 << 20  # left free on --to's file system after the fetch
 
 
 class ChecksumMismatch(DflashOpsError, exit_status=ExitStatus.CHECKSUM_MISMATCH):
@@ -91,6 +58,11 @@ class RemoteFile:
     name: str
     sha256: str
     size: int
+    disk: int = 0  # the bytes it occupies on the container's disk (st_blocks x 512)
+
+    @property
+    def cap(self) -> int:
+        return 2 * self.disk + SPARSE_SLACK
 
 
 @dataclass
@@ -136,13 +108,35 @@ def parse_listing(answer, names: list[str], runs: str, run: str) -> tuple[str, l
     out = []
     for name, f in zip(names, files, strict=True):
         f = f if isinstance(f, dict) else {}
-        size = f.get("size")
-        if (f.get("name") != name or type(size) is not int or size < 0
+        size, disk = f.get("size"), f.get("disk")
+        if (f.get("name") != name or type(size) is not int or size < 0 or type(disk) is not int or disk < 0
                 or not isinstance(f.get("sha256"), str) or not SHA256.fullmatch(f["sha256"])):
             raise UntrustedData(f"the container's entry for {name} is malformed: "
                                 f"{terminal.visible(str(f))[:200]}")
-        out.append(RemoteFile(name, f["sha256"], size))
+        out.append(RemoteFile(name, f["sha256"], size, disk))
     return directory, out
+
+
+def check_caps(label: str, files: list[RemoteFile]) -> None:
+    """Each file within its cap: twice the bytes it occupies on the container's disk, plus 1 MiB."""
+    for f in files:
+        if f.size > f.cap:
+            raise UntrustedData(f"{label}: {f.name} claims {f.size} bytes but occupies {f.disk} on the "
+                                f"container's disk (a sparse file: its holes would be written here whole); "
+                                f"refusing it beyond its cap of {f.cap} bytes, nothing written")
+
+
+def check_space(to: str, files: list[RemoteFile]) -> None:
+    """The checkpoint must fit --to's file system, with FREE_RESERVE to spare."""
+    probe = to
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    st = os.statvfs(probe)
+    free, need = st.f_bavail * st.f_frsize, sum(f.size for f in files) + FREE_RESERVE
+    if free < need:
+        raise UsageError(f"{probe} has {human_bytes(free)} free; the checkpoint needs {human_bytes(need)} "
+                         f"(with {human_bytes(FREE_RESERVE)} to spare): free space there or give another "
+                         "--to")
 
 
 def raise_refusal(refusal: ship.Refusal) -> None:
@@ -150,78 +144,6 @@ def raise_refusal(refusal: ship.Refusal) -> None:
     if refusal.kind in ("no-run", "no-checkpoint", "missing"):
         raise RunStateError(str(refusal)) from None
     ship.raise_common(refusal)
-
-
-def parse_host_check(text: str, files: list[RemoteFile]) -> dict[str, tuple[int | None, str]]:
-    """HOST_CHECK's output -> {name: (size or None, sha256 or "-")} for the names we pulled. Pure."""
-    found = {}
-    wanted = {f.name for f in files}
-    for line in text.splitlines():
-        parts = line.split(" ")
-        if len(parts) == 3 and parts[0] in wanted:
-            found[parts[0]] = (int(parts[1]) if parts[1].isdigit() else None, parts[2])
-    return found
-
-
-def pull_results(stderr: str) -> dict[str, tuple[str, int | None]]:
-    """pct's stderr and exit code for each pull, split by the markers `pull_line` prints around it."""
-    out: dict[str, tuple[list[str], int | None]] = {}
-    current = None
-    for line in stderr.splitlines():
-        if line.startswith("dflash-fetch: pull "):
-            current = line.split(" ", 2)[2]
-            out[current] = ([], None)
-        elif current is not None and re.fullmatch(r"dflash-fetch: exit [0-9]+", line):
-            out[current] = (out[current][0], int(line.rsplit(" ", 1)[1]))
-            current = None
-        elif current is not None and line.strip():
-            out[current][0].append(line.strip())
-    return {name: (" | ".join(lines), code) for name, (lines, code) in out.items()}
-
-
-def pull_errors(stderr: str) -> dict[str, str]:
-    """pct's stderr for each pull that said something."""
-    return {name: said for name, (said, _) in pull_results(stderr).items() if said}
-
-
-def pull_line(ct, directory: str, host_tmp: str, files: list[RemoteFile]) -> str:
-    """One host line: every pull (marked on stderr before and, with its exit code, after), then what
-    landed on the host."""
-    parts = []
-    for f in files:
-        parts.append(commands.shell_line(["printf", "dflash-fetch: pull %s\\n", f.name]) + " >&2")
-        parts.append(commands.pct_transfer("pull", ct.ctid, f"{directory}/{f.name}", f"{host_tmp}/{f.name}",
-                                           pct=ct.host.pct_command))
-        parts.append("printf 'dflash-fetch: exit %s\\n' \"$?\" >&2")
-    parts.append(commands.shell_line(["sh", "-c", HOST_CHECK, "sh", host_tmp, *[f.name for f in files]]))
-    return "; ".join(parts)
-
-
-def check_refused(session, ct, stderr: str) -> None:
-    """A pull pct refused (the container does not run): ContainerStopped or ContainerMissing, as
-    `pct status` says (pct's words are the same for both)."""
-    if any(transport.transfer_refused(said, code) for said, code in pull_results(stderr).values()):
-        refused = session.container_state(ct, during=False)
-        if refused is not None:
-            raise refused
-
-
-def check_pulls(ct, directory: str, files: list[RemoteFile], landed: dict, errors: dict, to: str) -> None:
-    """Each pulled file must be on the host whole: else name pct's own reason, not a checksum."""
-    for f in files:
-        size, sha = landed.get(f.name, (None, "-"))
-        if size == f.size and sha == f.sha256:
-            continue
-        where = f"{ct.label}: pct pull of {directory}/{f.name}"
-        said = terminal.visible(errors.get(f.name, ""))[-300:]
-        if said:
-            raise RemoteCommandFailed(f"{where} failed: {said}; nothing written to {to}")
-        if size is None or size < f.size:
-            raise RemoteCommandFailed(f"{where} wrote {size or 0} of {f.size} bytes on host "
-                                      f"{ct.host.name} and said nothing (a full disk on the host's "
-                                      f"/tmp?); nothing written to {to}")
-        raise ChecksumMismatch(f"{where}: the host's copy differs from the file hashed in the container (did "
-                               f"it change meanwhile?); nothing written to {to}, fetch again")
 
 
 # --- the local side --------------------------------------------------------------------------------
@@ -278,10 +200,12 @@ def remove_temp(dir_fd: int, name: str) -> None:
     os.rmdir(name, dir_fd=dir_fd)
 
 
-def receive(chunks, tmp_fd: int, f: RemoteFile, to: str, deadline: float) -> None:
-    """Stream one file into the temp dir, hashing as it comes; refuse more or other bytes than promised."""
+def receive(chunks, tmp_fd: int, f: RemoteFile, to: str, timeout: float = 0.0) -> None:
+    """Stream one file into the temp dir, hashing as it comes; refuse more or other bytes than listed.
+    The deadline is `timeout` if given, else it grows with the bytes moved (TIMEOUT_FLOOR_S +
+    moved / SLOW_BYTES_PER_S): a claimed size buys no time."""
     fd = os.open(f.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=tmp_fd)
-    digest, size = hashlib.sha256(), 0
+    digest, size, start = hashlib.sha256(), 0, time.monotonic()
     with os.fdopen(fd, "wb", buffering=0) as out:
         for chunk in chunks:
             size += len(chunk)
@@ -289,14 +213,33 @@ def receive(chunks, tmp_fd: int, f: RemoteFile, to: str, deadline: float) -> Non
                 break
             digest.update(chunk)
             out.write(chunk)
-            if time.monotonic() > deadline:
-                raise RemoteCommandFailed(f"{f.name}: the transfer took longer than its timeout; "
-                                          f"nothing written to {to}: give a longer --timeout")
+            allowed = timeout or TIMEOUT_FLOOR_S + size / SLOW_BYTES_PER_S
+            if time.monotonic() - start > allowed:
+                raise RemoteCommandFailed(f"{f.name}: the transfer took longer than its timeout "
+                                          f"({allowed:.0f} s for {size} bytes); nothing written to {to}: "
+                                          "give a longer --timeout")
         os.fsync(out.fileno())
     if size != f.size or digest.hexdigest() != f.sha256:
         raise ChecksumMismatch(f"{f.name}: {size} bytes, sha256 {digest.hexdigest()[:16]}... here; "
                                f"{f.size} bytes, {f.sha256[:16]}... in the container; nothing written to "
                                f"{to}, fetch again")
+
+
+def cat_line(ct, path: str) -> str:
+    """The host line that streams one file of the container: `pct exec CT -- cat -- PATH`."""
+    return commands.pct_exec(ct.ctid, ["cat", "--", path], env={"PATH": commands.SYSTEM_PATH},
+                             pct=ct.host.pct_command)
+
+
+def stream(session, ct, path: str):
+    """The file's bytes as they come; pct's refusal of a container that stopped meanwhile is its error."""
+    try:
+        yield from session.iter_command(cat_line(ct, path), stall_timeout=STALL_S)
+    except RemoteCommandFailed:
+        refused = session.container_state(ct, during=False)
+        if refused is not None:
+            raise refused from None
+        raise
 
 
 def install(dir_fd: int, tmp_fd: int, files: list[RemoteFile], force: bool) -> None:
@@ -340,28 +283,20 @@ def fetch(t, run: str, to: str, checkpoint: str = "latest", force: bool = False,
         return None
     directory, files = parse_listing(listed, names, ct.paths.runs, run)
     out = Fetched(run, directory, to, files)
-    timeout = float(timeout) or TIMEOUT_FLOOR_S + out.total_bytes / SLOW_BYTES_PER_S
     echo(f"{ct.label}: {terminal.visible(directory)}: {len(files)} files, {out.total_bytes / 2**20:.1f} MiB")
 
+    check_caps(ct.label, files)
+    check_space(to, files)
     previous = (signal.signal(signal.SIGTERM, _terminate)
                 if threading.current_thread() is threading.main_thread() else None)
-    host_tmp = session.run(commands.shell_line(["sh", "-c", HOST_TEMP, "sh"])).stdout.strip()
-    if not HOST_TMP.fullmatch(host_tmp):
-        raise UntrustedData(f"{ct.host.name}: mktemp answered {terminal.visible(host_tmp)[:100]!r}")
     dir_fd = tmp_fd = None
     created, tmp_name = False, f"{TEMP_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
     try:
-        pulled = session.run_in(ct, pull_line(ct, directory, host_tmp, files), check=False, timeout=timeout)
-        check_refused(session, ct, pulled.stderr)
-        check_pulls(ct, directory, files, parse_host_check(pulled.stdout, files), pull_errors(pulled.stderr),
-                    to)
         dir_fd, created = open_destination(to, force)
         os.mkdir(tmp_name, 0o700, dir_fd=dir_fd)
         tmp_fd = os.open(tmp_name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
-        deadline = time.monotonic() + timeout
         for f in files:
-            receive(session.iter_file(f"{host_tmp}/{f.name}", stall_timeout=STALL_S), tmp_fd, f, to,
-                    deadline)
+            receive(stream(session, ct, f"{directory}/{f.name}"), tmp_fd, f, to, float(timeout))
             echo(f"  {f.name}  {f.size / 2**20:.1f} MiB  sha256 {f.sha256[:16]}... verified")
         install(dir_fd, tmp_fd, files, force)
         created = False
@@ -373,7 +308,6 @@ def fetch(t, run: str, to: str, checkpoint: str = "latest", force: bool = False,
             os.close(dir_fd)
             if created:
                 os.rmdir(to)
-        session.run(commands.shell_line(["rm", "-rf", "--", host_tmp]), check=False)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     return out

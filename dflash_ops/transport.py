@@ -528,12 +528,12 @@ class HostSession:
                                   f"{host_path}: {str(exc) or type(exc).__name__}; nothing was changed in a "
                                   f"container, run the task again") from None
 
-    def iter_file(self, host_path: str, *, block: int = 1 << 20,
-                  stall_timeout: float = 60.0) -> Iterator[bytes]:
-        """A host file's bytes as they come (`cat` on its own channel): memory stays bounded by the SSH
-        window whatever the file's size (paramiko's SFTP prefetch buffers ahead of a slow reader).
-        No byte for `stall_timeout` seconds: HostUnreachable; `cat` failing: RemoteCommandFailed."""
-        line = commands.shell_line(["cat", "--", host_path])
+    def iter_command(self, line: str, *, block: int = 1 << 20,
+                     stall_timeout: float = 60.0) -> Iterator[bytes]:
+        """A host line's stdout as it comes, on an SSH channel of its own: memory stays bounded by the
+        SSH window whatever its size (fetch streams a checkpoint out of a container this way). No
+        byte for `stall_timeout` seconds: HostUnreachable; the command failing: RemoteCommandFailed
+        with its stderr's tail. Closing the generator early closes the channel."""
         if self.dry_run:
             self.echo(self.shown(line))
             return
@@ -556,16 +556,16 @@ class HostSession:
                 exited = channel.recv_exit_status()
                 if exited != 0:
                     err = channel.recv_stderr(4096).decode("utf-8", "replace")
-                    raise RemoteCommandFailed(f"{self.host.name}: reading {host_path} failed (exit "
+                    raise RemoteCommandFailed(f"{self.host.name}: {self.shown(line)[:120]} failed (exit "
                                               f"{exited}): {stderr_tail(err) or '(no stderr)'}",
-                                              exited=exited)
+                                              exited=exited, stderr_tail=stderr_tail(err))
             finally:
                 channel.close()
                 del packetizer.REKEY_BYTES, packetizer.REKEY_PACKETS  # paramiko's defaults again
         except (OSError, EOFError, paramiko.SSHException) as exc:
             self._conn = None
-            raise HostUnreachable(f"connection to {self.host.name} lost while reading {host_path}: "
-                                  f"{str(exc) or type(exc).__name__}") from None
+            raise HostUnreachable(f"connection to {self.host.name} lost while streaming "
+                                  f"{self.shown(line)[:120]}: {str(exc) or type(exc).__name__}") from None
 
     # --- host keys --------------------------------------------------------------------------------
     def key_pinned(self, key: paramiko.PKey) -> bool:

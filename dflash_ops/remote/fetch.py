@@ -89,7 +89,7 @@ def hashed(directory, name):
     except FileNotFoundError:
         raise Refused("missing", f"{path} is missing") from None
     except OSError as exc:
-        raise Refused("unsafe", f"{path}: {exc.strerror} (only a regular file, never a symlink)") from None
+        raise Refused("unsafe", f"{path}: {exc.strerror}: refusing it (a regular file only)") from None
     digest, size = hashlib.sha256(), 0
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())

@@ -108,8 +108,9 @@ def test_missing_and_stopped_containers_are_told_apart(inv, sandbox):
     s.close()
 
 
-def test_push_and_pull_refusals_name_a_stopped_or_missing_container(inv):
-    """pct push/pull say "can only ... a running CT/VM" for both: `pct status` tells them apart."""
+def test_push_and_stream_refusals_name_a_stopped_or_missing_container(inv):
+    """pct push says "can only push files to a running CT" for both, fetch's streamed `pct exec` its
+    own words: `pct status` tells them apart."""
     s = session(inv)
     missing = dataclasses.replace(inv.container(200), ctid=999)
     for ct, error in ((inv.container(201), "container 201 on host pve1 is stopped"),
@@ -118,12 +119,8 @@ def test_push_and_pull_refusals_name_a_stopped_or_missing_container(inv):
             s.run_in(ct,
                      commands.pct_push_verified(ct.ctid, "/etc/hostname", "/tmp/x", 1, "0" * 64,
                                                 pct=ct.host.pct))
-        pulled = s.run_in(ct,
-                          fetch.pull_line(ct, "/root", "/nonexistent-dflash",
-                                          [fetch.RemoteFile("f", "0" * 64, 1)]), check=False)
-        assert "can only pull files from a running VM" in pulled.stderr
         with pytest.raises(errors.ContainerError, match=error):
-            fetch.check_refused(s, ct, pulled.stderr)
+            list(fetch.stream(s, ct, "/etc/hostname"))
     s.close()
 
 

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -12,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dflash_ops import fetch
-from dflash_ops.errors import DflashOpsError, RemoteCommandFailed, RunStateError, UntrustedData
+from dflash_ops.errors import DflashOpsError, RemoteCommandFailed, RunStateError, UntrustedData, UsageError
 from dflash_ops.remote import ship
 
 NAMES = ["config.json", "model.safetensors"]
@@ -22,13 +23,13 @@ CT = SimpleNamespace(label="pve1/200", host=SimpleNamespace(name="pve1"))
 
 def answer(directory="/root/runs/r/checkpoints/step-3", files=None):
     return {"dir": directory, "files": files if files is not None else
-            [{"name": n, "size": 10, "sha256": SHA} for n in NAMES]}
+            [{"name": n, "size": 10, "disk": 4096, "sha256": SHA} for n in NAMES]}
 
 
 def test_a_good_answer():
     directory, files = fetch.parse_listing(answer(), NAMES, "/root/runs", "r")
     assert directory == "/root/runs/r/checkpoints/step-3"
-    assert [(f.name, f.size, f.sha256) for f in files] == [(n, 10, SHA) for n in NAMES]
+    assert [(f.name, f.size, f.disk, f.sha256) for f in files] == [(n, 10, 4096, SHA) for n in NAMES]
 
 
 @pytest.mark.parametrize("bad", [
@@ -69,38 +70,48 @@ def test_arbitrary_json_is_a_value_or_one_line(value):
         assert "\n" not in str(exc) and "\x1b" not in str(exc)
 
 
-FILES = [fetch.RemoteFile("config.json", SHA, 10), fetch.RemoteFile("model.safetensors", "b" * 64, 1000)]
-# What a real pct pull prints (exit 0) when the source cannot be read (pct-real.md).
-PCT_STDERR = ("dflash-fetch: pull config.json\ndflash-fetch: pull model.safetensors\n"
-              "failed to open /root/runs/r/checkpoints/step-3/model.safetensors for reading\n")
+FILES = [fetch.RemoteFile("config.json", SHA, 10, 4096),
+         fetch.RemoteFile("model.safetensors", "b" * 64, 1000, 4096)]
 
 
-def test_a_failed_pull_names_pcts_reason_not_a_checksum():
-    landed = fetch.parse_host_check(f"config.json 10 {SHA}\nmodel.safetensors 0 {'e' * 64}\n", FILES)
-    with pytest.raises(RemoteCommandFailed, match="pct pull of .*model.safetensors failed: failed to open"):
-        fetch.check_pulls(CT, "/d", FILES, landed, fetch.pull_errors(PCT_STDERR), "/to")
+def test_a_sparse_file_is_refused_before_a_byte_moves():
+    """A checkpoint of 3 GiB of holes occupies 2.2 MiB in the container; copied, it is 3 GiB here."""
+    sparse = fetch.RemoteFile("model.safetensors", SHA, 3 << 30, 2_306_867)
+    with pytest.raises(UntrustedData, match=r"claims 3221225472 bytes but occupies 2306867 .* sparse"):
+        fetch.check_caps("pve1/200", [FILES[0], sparse])
+    fetch.check_caps("pve1/200", FILES)  # small files: within 1 MiB of slack
+    compressed = fetch.RemoteFile("model.safetensors", SHA, 3 << 30, (3 << 30) * 2 // 3)
+    fetch.check_caps("pve1/200", [compressed])  # a compressing file system: within twice
 
 
-def test_a_silent_short_pull_says_so():
-    landed = fetch.parse_host_check(f"config.json 10 {SHA}\nmodel.safetensors 512 {'e' * 64}\n", FILES)
-    with pytest.raises(RemoteCommandFailed, match="wrote 512 of 1000 bytes .* said nothing"):
-        fetch.check_pulls(CT, "/d", FILES, landed, {}, "/to")
+def test_free_space_is_checked_first(tmp_path):
+    fetch.check_space(str(tmp_path / "new" / "dir"), FILES)
+    huge = fetch.RemoteFile("model.safetensors", SHA, 1 << 60, 1 << 60)
+    with pytest.raises(UsageError, match=f"{tmp_path} has .* free; the checkpoint needs"):
+        fetch.check_space(str(tmp_path / "new" / "dir"), [huge])
 
 
-def test_a_whole_pull_passes_and_a_changed_one_is_a_mismatch():
-    fetch.check_pulls(CT, "/d", FILES, fetch.parse_host_check(
-        f"config.json 10 {SHA}\nmodel.safetensors 1000 {'b' * 64}\n", FILES), {}, "/to")
-    with pytest.raises(fetch.ChecksumMismatch):
-        fetch.check_pulls(CT, "/d", FILES, fetch.parse_host_check(
-            f"config.json 10 {SHA}\nmodel.safetensors 1000 {'c' * 64}\n", FILES), {}, "/to")
+def test_receive_stops_at_the_listed_size_and_its_deadline_grows_with_the_bytes_moved(tmp_path):
+    f = fetch.RemoteFile("model.safetensors", fetch.hashlib.sha256(b"x" * 10).hexdigest(), 10, 4096)
+    tmp_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    sent = []
 
+    def flood():
+        while True:  # a container that never stops sending
+            sent.append(1)
+            yield b"x" * 4
 
-def test_pct_output_is_shown_visible():
-    landed = fetch.parse_host_check("config.json - -\n", FILES)
-    with pytest.raises(RemoteCommandFailed) as caught:
-        fetch.check_pulls(CT, "/d", FILES, landed, fetch.pull_errors(
-            "dflash-fetch: pull config.json\n\x1b]0;title\x07can only pull files from a running VM\n"), "/to")
-    assert "\x1b" not in str(caught.value) and "^[]0;title^G" in str(caught.value)
+    with pytest.raises(fetch.ChecksumMismatch, match="12 bytes"):
+        fetch.receive(flood(), tmp_fd, f, "/to")
+    assert len(sent) == 3  # read up to the first byte past the listed size, then stopped
+    os.unlink("model.safetensors", dir_fd=tmp_fd)
+    fetch.receive(iter([b"x" * 4, b"x" * 6]), tmp_fd, f, "/to")
+    assert (tmp_path / "model.safetensors").read_bytes() == b"x" * 10
+    os.unlink("model.safetensors", dir_fd=tmp_fd)
+    slow = iter([b"x" * 4, b"x" * 6])
+    with pytest.raises(RemoteCommandFailed, match="longer than its timeout"):
+        fetch.receive((chunk for chunk in slow if not time.sleep(0.02)), tmp_fd, f, "/to", timeout=0.01)
+    os.close(tmp_fd)
 
 
 def run_container_side(tmp_path, checkpoint="latest", names=NAMES):
@@ -125,6 +136,7 @@ def test_container_side_resolves_latest_and_hashes_in_place(tmp_path):
     directory, files = fetch.parse_listing(got, NAMES, str(tmp_path / "runs"), "r")
     assert directory == str(ckpt)
     assert [(f.name, f.size) for f in files] == [("config.json", 2), ("model.safetensors", 16_000_000)]
+    assert files[1].disk >= 16_000_000  # written, not sparse: its blocks hold every byte
     assert files[1].sha256 == hashlib.sha256(b"\x00weights" * 2_000_000).hexdigest()
     assert run_container_side(tmp_path, "step-99")["error"] == "no-checkpoint"
     (ckpt.parent / "latest").unlink()

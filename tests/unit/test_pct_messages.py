@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from dflash_ops import commands, fetch, transport
+from dflash_ops import commands, transport
 from dflash_ops.errors import ContainerMissing, ContainerStopped
 from dflash_ops.inventory import parse_inventory
 from dflash_ops.transport import Result
@@ -50,16 +50,6 @@ def test_on_a_pty_pcts_words_come_on_stdout():
 ])
 def test_push_and_pull_refusals(said, exited, refused):
     assert transport.transfer_refused(said, exited) is refused
-
-
-def test_pull_results_keep_each_pulls_words_and_exit_code():
-    stderr = ("dflash-fetch: pull config.json\ndflash-fetch: exit 0\ndflash-fetch: pull model.safetensors\n"
-              "can only pull files from a running VM at /usr/share/perl5/PVE/CLI/pct.pm line "
-              "664.\ndflash-fetch: exit 255\n")
-    results = fetch.pull_results(stderr)
-    assert results == {"config.json": ("", 0), "model.safetensors": (
-        "can only pull files from a running VM at /usr/share/perl5/PVE/CLI/pct.pm line 664.", 255)}
-    assert fetch.pull_errors(stderr) == {"model.safetensors": results["model.safetensors"][0]}
 
 
 def push_check(tmp_path, content: bytes | None, size: int, sha: str):

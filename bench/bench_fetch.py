@@ -8,11 +8,18 @@ process in the container writes it, as training would), and runs the real CLI un
 `/usr/bin/time -v` twice: a 1 KiB checkpoint (the baseline: interpreter, invoke, paramiko) and the
 big one. Prints each one's maximum resident set size and wall time, and the ratios. Fetch streams
 through a bounded window, so the big fetch's peak should stay near the baseline's (under 100 MB).
+The planted weights are random bytes written whole (not sparse): fetch refuses a sparse file.
 Not a test: nothing here asserts a figure; the machine may be shared, so read the ratios.
 
 2026-12-01, a shared 2-core machine, --gib 2, each against its own baseline in the same run:
 streamed fetch 53.4 MiB peak (1.17x the 45.6 MiB baseline), 147 s; the fetch before (whole files in
 memory, commit 581a383) 4165.1 MiB (91x the 45.7 MiB baseline), 407 s.
+
+2026-12-03, the same machine shared by several test runs (load average 19-20 on 2 cores), --gib 1:
+the host copy (`pct pull` into the host's /tmp, then `cat` over SSH; 4 + N round trips) 38.5 s,
+28 MiB/s beyond the baseline, 50.0 MiB peak (1.19x the 42.2 MiB baseline); each file streamed from
+the container (`pct exec ... cat`, nothing on the host; 1 + N round trips) 20.8 s, 53 MiB/s,
+49.4 MiB peak (1.17x the 42.2 MiB baseline).
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import terminal
 from .errors import RunStateError
 from .inventory import Container
 from .remote import readings, ship
@@ -72,8 +73,9 @@ def clean_cache(t: Target, force: bool = False) -> Cleaned:
                            what="clean-cache")
     except ship.Refusal as refusal:
         if refusal.kind == "busy":
-            raise RunStateError(f"{refusal}: its compile caches are in use; stop it first (`invoke stop`) "
-                                "or pass --force") from None
+            run = refusal.extra.get("run") if isinstance(refusal.extra.get("run"), str) else "?"
+            raise RunStateError(f"run {terminal.visible(run)[:80]!r} is alive on {ct.label}: its compile "
+                                "caches are in use; stop it first (`invoke stop`) or pass --force") from None
         ship.raise_common(refusal)
     if t.dry_run:
         return Cleaned([])

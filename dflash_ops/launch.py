@@ -157,11 +157,14 @@ def _int(value) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def read_answer(ct: Container, text: str, what: str) -> dict:
-    """A runs verb's answer (ship.answer): its object, or the error `refused` makes of its refusal."""
+def read_answer(ct: Container, text: str, what: str, own: dict | None = None) -> dict:
+    """A runs verb's answer (ship.answer): its object, or the error of its refusal: the caller's `own`
+    {kind: refusal -> error} first, then `refused`'s."""
     try:
         value = ship.answer(text, f"{ct.label}: {what}")
     except ship.Refusal as refusal:
+        if refusal.kind in (own or {}):
+            raise own[refusal.kind](refusal) from None
         refused(ct, {**refusal.extra, "error": refusal.kind, "message": refusal.message}, what)
         raise
     if not isinstance(value, dict):
@@ -235,13 +238,9 @@ def stop(t, run: str | None = None, grace: float = 30) -> Stop:
     result = t.session.run_in(ct, line, timeout=float(grace) + STOP_TIMEOUT_S, limit=ship.ANSWER_CAP)
     if t.dry_run:
         return Stop(name or "(latest)", "dry-run")
-    try:
-        answer = read_answer(ct, result.stdout, "stop")
-    except ship.Refusal as refusal:
-        if refusal.kind != "unproven":
-            raise
-        raise RunStateError(f"run {shown_name(refusal.extra.get('run') or name)} on {ct.label}: not "
-                            f"signalled: {refusal.message}; look with `invoke status`") from None
+    answer = read_answer(ct, result.stdout, "stop", own={"unproven": lambda refusal: RunStateError(
+        f"run {shown_name(refusal.extra.get('run') or name)} on {ct.label}: not signalled: "
+        f"{refusal.message}; look with `invoke status`")})
     shown = shown_name(answer.get("run") or name)
     outcome = answer.get("outcome")
     if outcome == "left":
@@ -264,10 +263,9 @@ class LaunchWatch:
         self.run, self.label, self.timeout = run, label, timeout
         self.console = console or terminal.console(stderr=False)
         self.lines: list[str] = []
-        self.verdict: dict = {}
         self.started = time.monotonic()
         self.status = None
-        self._partial = ""
+        self.stream = ship.Stream(self.item)
 
     def __enter__(self):
         self.status = self.console.status(self._text(""), spinner="dots")
@@ -283,30 +281,21 @@ class LaunchWatch:
                 f"({waited:.0f} s of {self.timeout:g} s)"
                 + (f": {terminal.markup(last[:80])}" if last else ""))
 
-    # a file-like out_stream for the transport
+    # a file-like out_stream for the transport: the wait verb's items, through the one stream reader
     def write(self, data: str) -> int:
-        self._partial += data
-        *complete, self._partial = self._partial.split("\n")
-        for raw in complete:
-            self.record(raw.rstrip("\r"))
-        return len(data)
+        return self.stream.write(data)
 
     def flush(self) -> None:
         pass
 
-    def record(self, raw: str) -> None:
-        try:
-            item = json.loads(raw) if raw.strip() else None
-        except (ValueError, RecursionError):
-            item = None
-        if not isinstance(item, dict):
-            return  # the pty's echo of ^C, or noise
+    @property
+    def verdict(self) -> dict:
+        answer = self.stream.answer or {}
+        return answer["ok"] if isinstance(answer.get("ok"), dict) else answer
+
+    def item(self, item: dict) -> None:
         line = item.get("line")
-        if isinstance(item.get("ok"), dict):
-            self.verdict = item["ok"]
-        elif "error" in item:
-            self.verdict = item
-        elif isinstance(line, str):
+        if isinstance(line, str):
             self.lines = (self.lines + [line])[-400:]
             self.console.print(terminal.markup(line), highlight=False, soft_wrap=True)
             if self.status is not None:

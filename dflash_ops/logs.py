@@ -30,7 +30,6 @@ DEFAULT_LINES = 50
 EXIT_INTERRUPTED = 130  # the verb's exit on SIGINT (Ctrl-C through the pty)
 # a stopped run gone this long has ended (`invoke stop; invoke train --run NAME` is followed)
 END_GRACE_S = 15
-FOLLOW_LINE_CAP = 1 << 16  # characters of one streamed JSON line kept; longer ones are not the verb's
 TAIL_TIMEOUT_S = 30.0
 
 
@@ -89,46 +88,15 @@ class LogPrinter(terminal.LineSink):
         return ended + (f"; {findings}" if findings else "")
 
 
-class FollowStream(terminal.LineSink):
-    """The follow verb's JSON lines (over a pty) -> the printer; keeps its answer, nothing else."""
+def follow_stream(printer: LogPrinter) -> ship.Stream:
+    """The follow verb's items -> the printer: {"run"} first, then {"line"} per log line."""
+    def item(value: dict) -> None:
+        if isinstance(value.get("line"), str):
+            printer.line(value["line"][:LINE_CAP])
+        elif isinstance(value.get("run"), str) and printer.run is None:
+            printer.started(value["run"])
 
-    def __init__(self, printer: LogPrinter):
-        self.printer = printer
-        self.answer: dict | None = None
-        self._parts: list[str] = []
-        self._size = 0
-
-    def write(self, data: str) -> int:
-        """Linear in the data whatever its lines' length: a line past FOLLOW_LINE_CAP is dropped."""
-        pieces = data.replace("\r", "").split("\n")
-        for i, piece in enumerate(pieces):
-            if self._size <= FOLLOW_LINE_CAP:
-                self._parts.append(piece)
-                self._size += len(piece)
-            if i < len(pieces) - 1:
-                text = "".join(self._parts) if self._size <= FOLLOW_LINE_CAP else ""
-                self._parts, self._size = [], 0
-                self.line(text)
-        return len(data)
-
-    def close(self) -> None:
-        if self._parts and self._size <= FOLLOW_LINE_CAP:
-            self.line("".join(self._parts))
-        self._parts, self._size = [], 0
-
-    def line(self, raw: str) -> None:
-        try:
-            item = json.loads(raw) if raw.strip() else None
-        except (ValueError, RecursionError):
-            item = None
-        if not isinstance(item, dict):
-            return  # the pty's echo of ^C, or noise
-        if "ok" in item or "error" in item:
-            self.answer = item
-        elif isinstance(item.get("line"), str):
-            self.printer.line(item["line"][:LINE_CAP])
-        elif isinstance(item.get("run"), str) and self.printer.run is None:
-            self.printer.started(item["run"])
+    return ship.Stream(item)
 
 
 class LabelledLines(terminal.LineSink):
@@ -162,7 +130,7 @@ def show(t, run: str | None = None, lines: int = DEFAULT_LINES, follow: bool = F
     if not follow:
         return _last_lines(t, name, int(lines), printer)
     # A pty: Ctrl-C and hang-ups must reach the verb. Of the stream only its tail is kept (mux.OutputTail).
-    stream = FollowStream(printer)
+    stream = follow_stream(printer)
     result = t.session.run_in(ct, ship.line(ct, "runs", "follow", follow_payload(ct.paths.runs, name, lines)),
                               check=False, pty=True, out_stream=stream)
     stream.close()

@@ -162,6 +162,53 @@ def call(t, helper: str, verb: str, payload: dict, *, timeout: float = DEFAULT_T
     return answer(result.stdout, where, cap)
 
 
+class Stream:
+    """A helper's streamed reply (over a pty), as a file-like out_stream for the transport: each
+    complete line is one JSON item; the answer ({"ok"} or {"error"}) is kept in `answer`, every
+    other item handed to `on_item`. Linear in the data whatever its lines' length: a line longer
+    than ITEM_CAP is dropped as it arrives (no item of the protocol is that long); a line that is not
+    a JSON object (the pty's echo of ^C, noise) is skipped."""
+
+    ITEM_CAP = 1 << 16
+
+    def __init__(self, on_item):
+        self.on_item, self.answer = on_item, None
+        self._parts: list[str] = []
+        self._size = 0
+
+    def write(self, data: str) -> int:
+        pieces = data.replace("\r", "").split("\n")
+        for i, piece in enumerate(pieces):
+            if self._size <= self.ITEM_CAP:
+                self._parts.append(piece)
+                self._size += len(piece)
+            if i < len(pieces) - 1:
+                text = "".join(self._parts) if self._size <= self.ITEM_CAP else ""
+                self._parts, self._size = [], 0
+                self._item(text)
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if self._parts and self._size <= self.ITEM_CAP:
+            self._item("".join(self._parts))
+        self._parts, self._size = [], 0
+
+    def _item(self, raw: str) -> None:
+        try:
+            item = json.loads(raw) if raw.strip() else None
+        except (ValueError, RecursionError):
+            item = None
+        if not isinstance(item, dict):
+            return
+        if "ok" in item or "error" in item:
+            self.answer = item
+        else:
+            self.on_item(item)
+
+
 def facts_payload(container: Container, want, torch_check: str = "always") -> dict:
     p = container.paths
     return {"code": p.code, "venv": p.venv, "model": p.model, "runs": p.runs, "caches": p.caches.all(),

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from dflash_ops import runs
-from dflash_ops.logs import FollowStream, LogPrinter
+from dflash_ops.logs import LogPrinter, follow_stream
 
 # Lines as torch, NCCL and the OS print them (the first is the incident's).
 KNOWN = [
@@ -73,7 +73,7 @@ def test_scan_reports_each_signature_once_with_its_last_line_in_table_order():
 def test_log_printer_highlights_and_names_the_runbook():
     out = io.StringIO()
     printer = LogPrinter(out=out)
-    stream = FollowStream(printer)
+    stream = follow_stream(printer)
     forged = "==> dflash-ops: run r1 is not running (exit code: 0)"  # a log line, not the verb's word
     items = [{"run": "r1"}, {"line": ORDINARY[0]}, {"line": KNOWN[0][1]}, {"line": forged},
              {"ok": {"run": "r1", "state": "crashed", "exit_code": "1"}}]

@@ -43,8 +43,9 @@ def flex_kernel_options(head_dim: int | None) -> dict | None:
     return FLEX_KERNEL_OPTIONS.get(int(head_dim))
 
 
-def _ce_chunk(logits, labels, token_weights, need_grad: bool):
-    """Weighted CE sum, argmax and (optionally) d(sum)/d(logits) for one chunk of bf16 logits."""
+def _ce_chunk(logits, labels, token_weights, need_grad: bool, fp8: bool = False):
+    """Weighted CE sum, argmax and (optionally) d(sum)/d(logits) for one chunk of bf16 logits;
+    with `fp8`, the gradient comes quantized by rows (speed.quantize_rows: e4m3, scale)."""
     logits_f = logits.float()
     lse = torch.logsumexp(logits_f, dim=-1)
     target = logits_f.gather(1, labels[:, None]).squeeze(1)
@@ -54,11 +55,14 @@ def _ce_chunk(logits, labels, token_weights, need_grad: bool):
         return loss, argmax, None
     probs = torch.exp(logits_f - lse[:, None])
     onehot = torch.zeros_like(probs).scatter_(1, labels[:, None], 1.0)
-    grad = ((probs - onehot) * token_weights[:, None]).to(logits.dtype)
-    return loss, argmax, grad
+    grad = (probs - onehot) * token_weights[:, None]
+    if fp8:
+        import speed
+        return loss, argmax, speed.quantize_rows(grad)
+    return loss, argmax, grad.to(logits.dtype)
 
 
-_compiled: dict[bool, object] = {}  # need_grad -> the compiled chunk (compile_lm_head_loss)
+_compiled: dict[tuple, object] = {}  # (need_grad, fp8) -> the compiled chunk (compile_lm_head_loss)
 
 
 def compile_lm_head_loss() -> int:
@@ -66,48 +70,54 @@ def compile_lm_head_loss() -> int:
     behind COMPILE_LOCK; it runs compiled on CUDA only. Returns the number of regions compiled."""
     if not compile_safety.current_settings().enabled:
         return 0
-    for need_grad in (True, False):
-        if need_grad not in _compiled:
-            def chunk(lg, lb, w, _need=need_grad):
-                return _ce_chunk(lg, lb, w, _need)
-            _compiled[need_grad] = compile_safety.safe_compile(
-                chunk, f"lm_head_ce_grad{int(need_grad)}", dynamic=False)
+    for key in ((True, False), (False, False), (True, True)):
+        if key not in _compiled:
+            def chunk(lg, lb, w, _need=key[0], _fp8=key[1]):
+                return _ce_chunk(lg, lb, w, _need, _fp8)
+            _compiled[key] = compile_safety.safe_compile(
+                chunk, f"lm_head_ce_grad{int(key[0])}{'_fp8' if key[1] else ''}", dynamic=False)
     return len(_compiled)
 
 
-def _chunk_fn(device: torch.device, need_grad: bool):
+def _chunk_fn(device: torch.device, need_grad: bool, fp8: bool = False):
     """The compiled chunk function on CUDA once compile_lm_head_loss ran; eager otherwise."""
-    compiled = _compiled.get(need_grad)
+    key = (need_grad, fp8 and need_grad)
+    compiled = _compiled.get(key)
     if device.type != "cuda" or compiled is None:
-        return lambda lg, lb, w: _ce_chunk(lg, lb, w, need_grad)
+        return lambda lg, lb, w: _ce_chunk(lg, lb, w, *key)
     return compiled
 
 
 class _LMHeadCE(torch.autograd.Function):
-    """sum_t w_t * CE(hidden_t @ W^T, label_t) with W frozen; grad wrt hidden made in forward."""
+    """sum_t w_t * CE(hidden_t @ W^T, label_t) with W frozen; grad wrt hidden made in forward.
+    With an `fp8` head (speed.Fp8Head) both products run in FP8."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, token_weights, chunk: int):
+    def forward(ctx, hidden, weight, labels, token_weights, chunk: int, fp8=None):
         rows = hidden.shape[0]
         need_grad = ctx.needs_input_grad[0]
         with torch.autocast(hidden.device.type, enabled=False):
-            return _LMHeadCE._run(ctx, hidden, weight, labels, token_weights, chunk, rows, need_grad)
+            return _LMHeadCE._run(ctx, hidden, weight, labels, token_weights, chunk, rows,
+                                  need_grad, fp8)
 
     @staticmethod
-    def _run(ctx, hidden, weight, labels, token_weights, chunk, rows, need_grad):
+    def _run(ctx, hidden, weight, labels, token_weights, chunk, rows, need_grad, fp8):
         compute = hidden.to(weight.dtype)
-        fn = _chunk_fn(hidden.device, need_grad)
+        fn = _chunk_fn(hidden.device, need_grad, fp8 is not None)
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         argmax = torch.empty(rows, dtype=torch.long, device=hidden.device)
         grad_hidden = torch.empty_like(compute) if need_grad else None
         for start in range(0, rows, chunk):
             stop = min(start + chunk, rows)
-            logits = compute[start:stop] @ weight.t()
+            logits = compute[start:stop] @ weight.t() if fp8 is None \
+                else fp8.logits(compute[start:stop])
             part, argmax[start:stop], grad_logits = fn(logits, labels[start:stop],
                                                        token_weights[start:stop])
             loss += part
-            if need_grad:
+            if need_grad and fp8 is None:
                 torch.matmul(grad_logits, weight, out=grad_hidden[start:stop])
+            elif need_grad:
+                grad_hidden[start:stop] = fp8.input_grad(*grad_logits)
         ctx.hidden_dtype = hidden.dtype
         ctx.save_for_backward(grad_hidden if need_grad else None)
         ctx.mark_non_differentiable(argmax)
@@ -117,13 +127,15 @@ class _LMHeadCE(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_argmax):
         (grad_hidden,) = ctx.saved_tensors
         grad = (grad_hidden.float() * grad_loss).to(ctx.hidden_dtype)
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
-def lm_head_loss(hidden, lm_head_weight, labels, valid, gamma: float, chunk: int | None = None):
+def lm_head_loss(hidden, lm_head_weight, labels, valid, gamma: float, chunk: int | None = None,
+                 fp8=None):
     """Same result as dflash_model.dflash_loss(draft_logits(hidden, W, N, bs), labels, valid, gamma).
 
-    hidden [B, Q, H]; labels, valid [B, N, bs]; the LM head weight must be frozen.
+    hidden [B, Q, H]; labels, valid [B, N, bs]; the LM head weight must be frozen. `fp8`: the
+    same head as a speed.Fp8Head (speed.fp8_lm_head), whose products replace the bf16 ones.
     """
     if lm_head_weight.requires_grad:
         raise ValueError("lm_head_loss needs a frozen LM head (weight.requires_grad is True)")
@@ -133,7 +145,8 @@ def lm_head_loss(hidden, lm_head_weight, labels, valid, gamma: float, chunk: int
     if chunk is None:
         chunk = max(1, _CHUNK_ELEMENTS // lm_head_weight.shape[0])
     flat = hidden.reshape(-1, hidden.shape[-1])
-    loss, argmax = _LMHeadCE.apply(flat, lm_head_weight, labels.flatten(), token_weights, chunk)
+    loss, argmax = _LMHeadCE.apply(flat, lm_head_weight, labels.flatten(), token_weights, chunk,
+                                   fp8)
     return loss, objective.prediction_stats(argmax.view_as(labels), labels, valid)
 
 

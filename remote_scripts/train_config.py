@@ -155,6 +155,19 @@ class CompileConfig:
 
 
 @dataclass(frozen=True)
+class SpeedConfig:
+    """Speed switches of the drafter step (remote_scripts/speed.py says what each one does)."""
+    compile_layers: bool = False     # torch.compile each draft layer (CUDA, compile.enabled, flex)
+    param_dtype: str = "float32"     # bfloat16: bf16 parameters, fp32 master weights in AdamW
+    fp8_lm_head: bool = False        # e4m3 (row-scaled) products through the frozen LM head
+
+    def __post_init__(self):
+        _check_types(self, "speed")
+        _check(self.param_dtype in ("float32", "bfloat16"), "speed.param_dtype",
+               "must be float32 or bfloat16")
+
+
+@dataclass(frozen=True)
 class DevicesConfig:
     target: str = "cpu"       # comma list: cuda:0,cuda:1 or cpu
     drafter: str = "cpu"      # one worker thread per entry: cuda:5,cuda:6,cuda:7 or cpu,cpu,cpu
@@ -177,7 +190,12 @@ class Config:
     train: TrainConfig
     compile: CompileConfig
     devices: DevicesConfig
+    speed: SpeedConfig = field(default_factory=SpeedConfig)
     source: str = ""
+
+    def __post_init__(self):
+        _check(self.speed.param_dtype == "float32" or self.train.autocast == self.speed.param_dtype,
+               "speed.param_dtype", "bfloat16 parameters need train.autocast: bfloat16")
 
     def to_dict(self) -> dict:
         tree = dataclasses.asdict(self)
@@ -189,7 +207,8 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")  # target_model.DTYPES maps the
 PLACEMENTS = ("split", "replicate", "auto")
 DEVICE = re.compile(r"cpu|cuda:[0-9]+")
 SECTIONS = {"model": ModelConfig, "target": TargetConfig, "data": DataConfig,
-            "train": TrainConfig, "compile": CompileConfig, "devices": DevicesConfig}
+            "train": TrainConfig, "compile": CompileConfig, "devices": DevicesConfig,
+            "speed": SpeedConfig}
 
 
 def _check(ok: bool, key: str, reason: str):

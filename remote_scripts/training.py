@@ -22,6 +22,7 @@ import compile_safety
 import dflash_model as dm
 import fast_paths
 import objective
+import speed
 import torch
 import torch.nn.functional as F
 from dflash_data import collate, load_examples
@@ -102,11 +103,12 @@ def configure_compile(settings: CompileConfig, kernel_options: dict | None = Non
 
 
 def apply_compile(settings: CompileConfig, fast: bool, target, drafters: Drafters) -> str:
-    """Compile settings, then the three compiled regions, in the order a step runs them:
+    """Compile settings, then the compiled regions, in the order a step runs them:
 
     1. the target's decoder layers up to the last tap (every replica; CUDA fast path only),
     2. the drafter's flex_attention (one process-wide wrapper; compile.enabled, model.attention=flex),
-       installed in every worker,
+       installed in every worker; with speed.compile_layers (CUDA), each worker's draft layers
+       instead, flex_attention traced inside their graph,
     3. the LM-head loss chunk of fast_paths.lm_head_loss (runs compiled on CUDA only).
     `fast` is train.fast_paths: off, the flex kernels keep torch's options and regions 1 and 3 are
     not compiled. torch.compile is lazy: each region compiles on its first call, which warm_up makes
@@ -114,13 +116,16 @@ def apply_compile(settings: CompileConfig, fast: bool, target, drafters: Drafter
     was compiled, for the log.
     """
     head_dim = drafters.template.config.head_dim
-    configure_compile(settings, fast_paths.flex_kernel_options(head_dim) if fast else None)
+    kernel_options = fast_paths.flex_kernel_options(head_dim) if fast else None
+    configure_compile(settings, kernel_options)
     layers = target.compile_layers()
     attention, build_mask, description = make_attention(drafters.attention_kind, settings.enabled)
     drafters.use_attention(attention, build_mask)
+    draft_layers = speed.compile_layers(drafters.workers, kernel_options)
     heads = fast_paths.compile_lm_head_loss() if fast else 0
-    if layers or heads:
-        description += f"; compiled: {layers} target layer(s) per replica, {heads} LM-head region(s)"
+    if layers or heads or draft_layers:
+        description += (f"; compiled: {layers} target layer(s) per replica, {heads} LM-head "
+                        f"region(s), {draft_layers} draft layer(s) per worker (speed.compile_layers)")
     return description + ("" if fast else "; fast paths off (train.fast_paths=false)")
 
 
@@ -193,10 +198,10 @@ class DrafterWorker:
         self.embed_weight = embed_weight.detach().to(device, frozen_dtype)
         self.head_weight = (self.embed_weight if head_weight.data_ptr() == embed_weight.data_ptr()
                             else head_weight.detach().to(device, frozen_dtype))
+        self.fp8_head = speed.fp8_head(self.head_weight, config)
         self.attention = attention
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
-        self.optimizer = fast_paths.adamw(self.params, fused=config.train.fast_paths,
-                                          lr=config.train.lr, weight_decay=config.train.weight_decay)
+        self.optimizer = speed.make_optimizer(self.drafter, self.params, config)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
 
     def _autocast(self):
@@ -215,7 +220,7 @@ class DrafterWorker:
                                          self.config.model.block_size)
                 return objective.dflash_loss(logits, batch.labels, batch.valid, self.config.model.gamma)
         return fast_paths.lm_head_loss(hidden, self.head_weight, batch.labels, batch.valid,
-                                       self.config.model.gamma)
+                                       self.config.model.gamma, fp8=self.fp8_head)
 
     def forward_backward(self, batch: Batch) -> tuple[float, dict]:
         """Training forward + backward (grad enabled); gradients left in .grad."""
@@ -228,7 +233,8 @@ class DrafterWorker:
 
     def update(self) -> None:
         compile_safety.apply_thread_settings()
-        torch.nn.utils.clip_grad_norm_(self.params, self.config.train.grad_clip)
+        torch.nn.utils.clip_grad_norm_(speed.grad_params(self.optimizer, self.params),
+                                       self.config.train.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
 

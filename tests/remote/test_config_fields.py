@@ -57,6 +57,9 @@ compile.cache_dir            | [a]     | ""
 compile.recompile_limit      | lots    | 0
 devices.target               | 0       | gpu
 devices.drafter              | [cpu]   | cuda:
+speed.compile_layers         | maybe   | -
+speed.param_dtype            | 16      | float16
+speed.fp8_lm_head            | yes_no  | -
 """
 BAD = {key: (wrong_type, None if wrong_value == "-" else wrong_value)
        for key, wrong_type, wrong_value in (map(str.strip, line.split("|"))

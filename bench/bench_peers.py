@@ -92,15 +92,12 @@ def our_worker(variant: str, shape_kind: str, device: str, smoke: bool, cache_di
                seed: int = 1, extra=()):
     """(worker, batch, step FLOPs, config) for one of our variants at a shape."""
     import drafter
-    import fast_paths
     import training
 
     # on CPU (--smoke) every variant runs under bf16 autocast too: the plain bf16 path
     config = drafter.make_config(cache_dir, smoke,
                                  (["train.autocast=bfloat16"] if smoke else []) + OURS[variant]
                                  + list(extra))
-    training.configure_compile(config, cache_dir)
-    fast_paths.compile_lm_head_loss()
     from transformers import Qwen3Config
     target_shape = drafter.shape(shape_kind, smoke)
     target_cfg = Qwen3Config(**target_shape)
@@ -117,13 +114,20 @@ def our_worker(variant: str, shape_kind: str, device: str, smoke: bool, cache_di
     batch, pairs = drafter.make_batch(config, dcfg, device)
     flops = drafter.step_flops(dcfg, config.data.max_length, batch.num_blocks,
                                config.model.block_size, pairs)
-    if config.model.attention == "dense":
-        import dflash_model as dm
-        attention = dm.dense_attention
-    else:
-        attention = training.make_attention(config)[0]
+    # as training.build_drafters + apply_compile do (a stand-in target: no layers to compile)
+    attention, build_mask, _ = training.make_attention(config.model.attention, compiled=False)
     worker = training.DrafterWorker(0, device, template, config, embed, head, attention)
+    drafters = training.Drafters([worker], worker.drafter, vocab - 1, config.model.attention,
+                                 build_mask)
+    training.apply_compile(config.compile, config.train.fast_paths, _NoTarget(), drafters)
     return worker, batch, flops, config
+
+
+class _NoTarget:
+    """The drafter step needs no target: its features come from the batch."""
+
+    def compile_layers(self) -> int:
+        return 0
 
 
 def failed(results, section, variant, exc) -> dict:
@@ -389,6 +393,7 @@ def curve_batch(config, dcfg, embed, device, step: int, seed: int = 7, noise: fl
     something to learn and a floor under the loss (a fresh batch each step: nothing to memorise);
     target features = the tokens' embeddings, per tap."""
     import dflash_model as dm
+    import objective
     import training
 
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
@@ -401,10 +406,10 @@ def curve_batch(config, dcfg, embed, device, step: int, seed: int = 7, noise: fl
     swap = torch.rand(1, seq, generator=g) < noise
     input_ids = torch.where(swap, torch.randint(0, span, (1, seq), generator=g), input_ids)
     loss_mask = torch.ones(1, seq)
-    anchors, keep = dm.sample_anchors(loss_mask, config.data.num_anchors, g)
-    noise_ids, position_ids = dm.block_inputs(input_ids, anchors, keep, block,
-                                              dcfg.dflash_config["mask_token_id"])
-    labels, valid = dm.block_labels(input_ids, loss_mask, anchors, keep, block)
+    anchors, keep = objective.sample_anchors(loss_mask, config.data.num_anchors, g)
+    noise_ids, position_ids = objective.block_inputs(input_ids, anchors, keep, block,
+                                                     dcfg.dflash_config["mask_token_id"])
+    labels, valid = objective.block_labels(input_ids, loss_mask, anchors, keep, block)
     feats = embed[input_ids.to(device)].float() * 50.0
     hidden = torch.cat([feats * (1 + 0.1 * i) for i in range(taps)], dim=-1)
     anchors, keep = anchors.to(device), keep.to(device)
@@ -450,6 +455,28 @@ def run_curves(results, device, smoke, cache_dir, steps, shape_kind="8b", window
 
 # ----------------------------------------------------------------------------- main
 
+def peers_section(results, args, device, cache_dir, ceiling) -> None:
+    flops = None
+    for variant in [v for v in args.ours.split(",") if v]:
+        row = run_ours(results, variant, "8b", device, args.smoke, cache_dir, ceiling, args.iters)
+        flops = flops or row.get("step_tflop", 0) * 1e12
+    for variant in [v for v in args.peers.split(",") if v]:
+        run_peer(results, variant, args.wheels, device, args.smoke, ceiling, flops or 1.0,
+                 args.iters)
+    try_speculators(results, args.wheels)
+
+
+def print_profiles(results) -> None:
+    for row in results.rows:
+        if row["section"] == "profile" and "top10" in row:
+            print(f"\nprofile {row['variant']}: {row['ms']:.1f} ms/step wall, kernels "
+                  f"{row['kernel_ms']:.1f} ms; regions {row['regions_ms']}")
+            for name, (ms, pct) in row["categories"].items():
+                print(f"  {pct:5.1f}%  {ms:7.2f} ms  {name}")
+            for name, ms, pct, n in row["top10"]:
+                print(f"  top {pct:5.1f}%  {ms:7.2f} ms  x{n:<4d} {name}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU")
@@ -485,16 +512,7 @@ def main() -> int:
                 failed(results, "profile", f"8b:{variant}", exc)
             free(device)
     if "peers" in only:
-        flops = None
-        for variant in [v for v in args.ours.split(",") if v]:
-            row = run_ours(results, variant, "8b", device, args.smoke, cache_dir, ceiling,
-                           args.iters)
-            flops = flops or row.get("step_tflop", 0) * 1e12
-        flops = flops or 1.0
-        for variant in [v for v in args.peers.split(",") if v]:
-            run_peer(results, variant, args.wheels, device, args.smoke, ceiling, flops,
-                     args.iters)
-        try_speculators(results, args.wheels)
+        peers_section(results, args, device, cache_dir, ceiling)
     if "27b" in only:
         for variant in [v for v in args.ours_27b.split(",") if v]:
             run_ours(results, variant, "27b", device, args.smoke, cache_dir, ceiling,
@@ -504,14 +522,7 @@ def main() -> int:
             run_curves(results, device, args.smoke, cache_dir, args.curve_steps)
         except Exception as exc:
             failed(results, "curve", "8b", exc)
-    for row in results.rows:
-        if row["section"] == "profile" and "top10" in row:
-            print(f"\nprofile {row['variant']}: {row['ms']:.1f} ms/step wall, kernels "
-                  f"{row['kernel_ms']:.1f} ms; regions {row['regions_ms']}")
-            for name, (ms, pct) in row["categories"].items():
-                print(f"  {pct:5.1f}%  {ms:7.2f} ms  {name}")
-            for name, ms, pct, n in row["top10"]:
-                print(f"  top {pct:5.1f}%  {ms:7.2f} ms  x{n:<4d} {name}")
+    print_profiles(results)
     print("\n" + results.table(), flush=True)
     return 0
 

@@ -38,7 +38,7 @@ import zipfile
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
 
 import torch  # noqa: E402
-from common import Results, sync  # noqa: E402
+from common import Results, sync, time_fn  # noqa: E402
 
 SECTIONS = ["matmul", "profile", "peers", "27b", "curve"]
 # our variants: name -> --set overrides on top of the production config
@@ -68,22 +68,12 @@ def peak_gib(device) -> float:
 
 
 def timed_steps(step, device, warmup: int, iters: int) -> dict:
-    """First call's seconds, then median/min/max ms of `iters` synced steps after `warmup`."""
+    """First call's seconds, then common.time_fn's median/min/max ms of `iters` synced steps."""
     t0 = time.perf_counter()
     step()
     sync(device)
     first = time.perf_counter() - t0
-    for _ in range(warmup):
-        step()
-    sync(device)
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        step()
-        sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return {"ms": statistics.median(times), "ms_min": min(times), "ms_max": max(times),
-            "first_step_s": first}
+    return dict(time_fn(step, device, warmup=warmup, iters=iters), first_step_s=first)
 
 
 # ----------------------------------------------------------------------------- ours

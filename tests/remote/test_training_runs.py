@@ -50,10 +50,16 @@ def checkpoint_state(directory):
     return load_file(os.path.join(directory, "model.safetensors")), checkpoints.load_state(directory)
 
 
-def test_resume_reaches_the_same_state_as_an_uninterrupted_run(tiny_target, tmp_path):
+SPEED_ON = ("train.autocast=bfloat16", "speed.param_dtype=bfloat16", "speed.fp8_lm_head=true")
+
+
+@pytest.mark.parametrize("speed", [(), SPEED_ON], ids=["plain", "speed-switches"])
+def test_resume_reaches_the_same_state_as_an_uninterrupted_run(tiny_target, tmp_path, speed):
+    """With speed.param_dtype=bfloat16 too: the fp32 master weights travel in the optimizer
+    state, so the resumed run continues from them, not from the checkpoint's bf16 weights."""
     interrupted, straight = str(tmp_path / "interrupted"), str(tmp_path / "straight")
     for run_dir, stop in ((interrupted, 3), (interrupted, 5), (straight, 5)):
-        result = run_script("train_dflash.py", *tiny_args(tiny_target, run_dir, *QUICK),
+        result = run_script("train_dflash.py", *tiny_args(tiny_target, run_dir, *QUICK, *speed),
                             "--max-steps", str(stop))
         assert result.returncode == 0, result.stderr[-3000:]
     assert "resumed from" in open(os.path.join(interrupted, "train.log")).read()
@@ -73,6 +79,12 @@ def test_resume_reaches_the_same_state_as_an_uninterrupted_run(tiny_target, tmp_
             assert torch.equal(opt_a[index][key], opt_b[index][key])
     assert state_a["scheduler"] == state_b["scheduler"]
     assert state_a["sampler"] == state_b["sampler"]
+    masters = state_a["optimizer"].get("master_weights")
+    assert (masters is not None) == bool(speed)
+    if masters is not None:
+        assert all(m.dtype == torch.float32 for m in masters)
+        assert all(torch.equal(a, b) for a, b in
+                   zip(masters, state_b["optimizer"]["master_weights"], strict=True))
 
 
 def test_prefetching_the_target_changes_nothing_and_checkpoints_keep_their_own_sampler(

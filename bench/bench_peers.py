@@ -12,7 +12,9 @@ Sections (`--only`, comma list; default all but curve27b):
            a fresh seed, median ms of `--iters` steps, peak memory, loss after the timed steps;
 - 27b:     our variants at the 27B-class shape;
 - curve:   `--curve-steps` steps of ours with every speed switch off and with every one on, the
-           same batches in the same order; the largest relative difference of the 20-step means.
+           same batches in the same order; the largest relative difference of the 20-step means;
+- threads: three workers of ours (every switch on) on one device, stepping in threads as
+           training does (warm-up first); the replicas must stay identical.
 
 Peers come from wheels in `--wheels` (pure Python; the GPU machine has no network): SpecForge 0.2.0
 (its OnlineDFlashModel, DFlashDraftModel and BF16Optimizer; only those modules and what they import
@@ -40,7 +42,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu
 import torch  # noqa: E402
 from common import Results, sync, time_fn  # noqa: E402
 
-SECTIONS = ["matmul", "profile", "peers", "27b", "curve"]
+SECTIONS = ["matmul", "profile", "peers", "27b", "curve", "threads"]
 # our variants: name -> --set overrides on top of the production config
 OURS = {
     "ours": [],
@@ -79,8 +81,9 @@ def timed_steps(step, device, warmup: int, iters: int) -> dict:
 # ----------------------------------------------------------------------------- ours
 
 def our_worker(variant: str, shape_kind: str, device: str, smoke: bool, cache_dir: str,
-               seed: int = 1, extra=()):
-    """(worker, batch, step FLOPs, config) for one of our variants at a shape."""
+               seed: int = 1, extra=(), workers: int = 1):
+    """(worker, batch, step FLOPs, config) for one of our variants at a shape; with `workers` > 1
+    the first item is the list of workers (one replica each, all on `device`)."""
     import drafter
     import training
 
@@ -106,11 +109,55 @@ def our_worker(variant: str, shape_kind: str, device: str, smoke: bool, cache_di
                                config.model.block_size, pairs)
     # as training.build_drafters + apply_compile do (a stand-in target: no layers to compile)
     attention, build_mask, _ = training.make_attention(config.model.attention, compiled=False)
-    worker = training.DrafterWorker(0, device, template, config, embed, head, attention)
-    drafters = training.Drafters([worker], worker.drafter, vocab - 1, config.model.attention,
+    built = [training.DrafterWorker(i, device, template, config, embed, head, attention)
+             for i in range(workers)]
+    drafters = training.Drafters(built, built[0].drafter, vocab - 1, config.model.attention,
                                  build_mask)
     training.apply_compile(config.compile, config.train.fast_paths, _NoTarget(), drafters)
-    return worker, batch, flops, config
+    return (built[0] if workers == 1 else built), batch, flops, config
+
+
+def run_threads(results, variant, device, smoke, cache_dir, count=3, steps=5):
+    """`count` workers on one device stepping in threads as training runs them: warm-up in the
+    main thread, then each step's forward+backward in one thread per worker, the gradient
+    average, the updates. Replicas must stay identical (the same batch for each)."""
+    import threading
+
+    import compile_safety
+    import training
+
+    free(device)
+    workers, batch, _, _ = our_worker(variant, "8b", device, smoke, cache_dir, workers=count)
+    training.warm_up(workers, lambda worker: batch)
+    losses, errors = [], []
+
+    def work(worker, out):
+        try:
+            out[worker.index] = worker.forward_backward(batch)[0]
+        except Exception as exc:  # reported below, with the others' results
+            errors.append(f"{type(exc).__name__}: {exc}"[:200])
+
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        out = [None] * count
+        threads = [threading.Thread(target=work, args=(w, out)) for w in workers]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        training.average_gradients(workers)
+        for worker in workers:
+            worker.update()
+        sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+        losses.append(out)
+    results.add("threads", f"8b:{variant}x{count}", ms=statistics.median(times),
+                errors=errors, losses=losses, replica_max_diff=training.replica_max_diff(workers),
+                compile_stats=compile_safety.stats(),
+                note=f"{count} workers in threads on one GPU; ms per step of all {count}")
+    workers = batch = None
+    free(device)
 
 
 class _NoTarget:
@@ -503,6 +550,11 @@ def main() -> int:
             free(device)
     if "peers" in only:
         peers_section(results, args, device, cache_dir, ceiling)
+    if "threads" in only:
+        try:
+            run_threads(results, "ours+all", device, args.smoke, cache_dir)
+        except Exception as exc:
+            failed(results, "threads", "8b:ours+all", exc)
     if "27b" in only:
         for variant in [v for v in args.ours_27b.split(",") if v]:
             run_ours(results, variant, "27b", device, args.smoke, cache_dir, ceiling,

@@ -1,25 +1,30 @@
-"""The embedded Proxmox host: a real OpenSSH sshd on 127.0.0.1 and a `pct` stand-in, for laptops and CI.
+"""The embedded Proxmox host: a real OpenSSH sshd on 127.0.0.1 and a `pct` over real LXC, for laptops and CI.
 
 Each sandbox host is a directory under the state dir with its own sshd (own port, own host key,
 root by key only) whose sessions find `pct` (dflash_ops/sandbox/pct) on PATH. Its containers are
-bubblewrap namespaces (own pid/mount/UTS/IPC, own /root, /tmp, /var, /dev/shm and hostname; the
-host's system dirs read-only). The network is the host's: containers and hosts reach each other
-on loopback, which multi-node tests rely on.
+LXC containers (lxc-start, lxc-attach, lxc-stop, as pve-container runs them): unprivileged (root
+mapped to 100000), own pid/mount/UTS/IPC/cgroup namespaces, own rootfs dir (/root, /var, /tmp),
+/dev/shm and hostname, the host's system dirs read-only, cgroup limits from the config. The network
+is the host's (no network device): containers and hosts reach each other on loopback, which
+multi-node tests rely on.
 
     <state>/client/id_ed25519      client key, authorized on every host
     <state>/known_hosts            every host key pinned ([127.0.0.1]:port)
     <state>/pip-cache/             pip cache shared by all containers (/var/cache/pip-shared)
     <state>/pve1/                  one host: sshd_config, sshd.pid, port, host.json,
-                                   bin/pct (+ bin/pct_standin.py),
-                                   nodes/pve1/lxc/<id>.conf, ct/<id>/{root,var,tmp,init.json}
+                                   bin/pct, bin/lxc-prestart-hook (+ bin/pct_standin.py),
+                                   nodes/pve1/lxc/<id>.conf (Proxmox's), lxc/<id>/{config,lxc.log} (LXC's,
+                                   written by pct start), ct/<id>/ (the container's rootfs: root, var, tmp)
 """
 
 from __future__ import annotations
 
 import configparser
 import copy
+import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -38,10 +43,16 @@ DEFAULT_INVENTORY = REPO / "inventory" / "sandbox.yaml"
 PCT_SOURCE = Path(__file__).with_name("sandbox") / "pct"
 PCT_MODULE = "pct_standin"  # <host dir>/bin/pct_standin.py: PCT_SOURCE, imported by bin/pct
 SSHD = "/usr/sbin/sshd"
-TOOLS = {SSHD: "openssh-server", "/usr/bin/ssh-keygen": "openssh-client", "/usr/bin/bwrap": "bubblewrap",
-         "/usr/bin/nsenter": "util-linux"}
+TOOLS = {SSHD: "openssh-server", "/usr/bin/ssh-keygen": "openssh-client", "/usr/bin/lxc-attach": "lxc",
+         "/usr/sbin/init.lxc.static": "lxc"}
 PIP_CACHE_MOUNT = "/var/cache/pip-shared"  # where pct binds <state>/pip-cache in every container
 VISIBLE_IN_CONTAINER = ("/usr/", "/etc/", "/opt/")  # host paths a container can read (pct's SYSTEM_DIRS)
+CONTAINER_ROOT_UID = 100000  # an unprivileged container's root on the host (pct's UID_BASE)
+# Each host's lxcpath (LXC's configs, logs and command sockets): under /run, which an unprivileged
+# container's root can walk, as LXC requires (a state dir's parents need not let it).
+LXC_RUN = Path("/run/dflash-sandbox")
+# LXC runs the pre-start hook (<host dir>/bin/lxc-prestart-hook) with `sh -c`: no shell syntax.
+SAFE_PATH = re.compile(r"^[A-Za-z0-9_./+-]+$")
 MARKER = "DFLASH_SANDBOX_HOST"  # env of every host-side process of a sandbox host; down() finds them by it
 START_TIMEOUT = 10.0
 
@@ -144,14 +155,19 @@ def up(state_dir=None, containers=(200,), hosts=1, *, stopped=(), inventory_path
     """
     _require_host_tools()
     state = Path(state_dir or default_state_dir()).resolve()
+    if not SAFE_PATH.match(str(state)):
+        raise SandboxError(f"the sandbox state dir's path may hold letters, digits and ._+-/ only (LXC runs "
+                           f"a hook under it with sh -c): {str(state)!r}")
     changed = []
     key = _ensure_key(state / "client" / "id_ed25519", changed)
     if cpuunits is None:
         cpuunits = os.environ.get("DFLASH_SANDBOX_CPUUNITS") or None
     (state / "pip-cache").mkdir(exist_ok=True)
+    os.chown(state / "pip-cache", CONTAINER_ROOT_UID, CONTAINER_ROOT_UID)  # unprivileged containers write it
     Path("/run/sshd").mkdir(mode=0o755, parents=True, exist_ok=True)  # sshd's privilege-separation dir
     for index, (run_ids, stop_ids) in enumerate(_layout(containers, stopped, hosts), start=1):
         settings = {"node": f"pve{index}", "pip_cache": str(state / "pip-cache"),
+                    "lxcpath": str(lxcpath(state / f"pve{index}")),
                     "session_locale": session_locale, "logins": sorted(logins)}
         _host_up(state, settings, key, run_ids, stop_ids, shm_size, cpuunits, changed)
     sandbox = _inspect(state, inventory_path)
@@ -174,9 +190,12 @@ def down(state_dir=None, *, purge=False) -> Sandbox:
             if ct_state == "running":
                 _pct(host, "stop", str(vmid))
                 changed.append(f"{host.name}: ct {vmid} stopped")
+            else:  # pct stop of a stopped container removes what a killed monitor left, then says so
+                _pct_run(host.pct, "stop", str(vmid))
         killed = _kill_host_processes(host)
         if host.sshd_pid or killed:
             changed.append(f"{host.name}: sshd and {len(killed)} process(es) stopped")
+        shutil.rmtree(lxcpath(host.dir), ignore_errors=True)  # LXC's configs and logs, made at each start
     _stop_watcher(state)
     if purge and state.exists():
         shutil.rmtree(state)
@@ -225,10 +244,15 @@ def status(state_dir=None) -> Sandbox:
 
 def _require_host_tools():
     if os.geteuid() != 0:
-        raise SandboxError("the embedded host needs root (sshd, bubblewrap namespaces): run it as root")
+        raise SandboxError("the embedded host needs root (sshd, LXC containers): run it as root")
     missing = sorted({pkg for tool, pkg in TOOLS.items() if not os.access(tool, os.X_OK)})
     if missing:
         raise SandboxError(f"missing tools for the embedded host: apt-get install {' '.join(missing)}")
+
+
+def lxcpath(hdir: Path) -> Path:
+    """A sandbox host's LXC dir: /run/dflash-sandbox/<hash of the host dir> (pct's LXCPATH)."""
+    return LXC_RUN / hashlib.sha256(str(hdir).encode()).hexdigest()[:12]
 
 
 def _layout(containers, stopped, hosts):
@@ -252,11 +276,14 @@ def _host_up(state, settings, key, run_ids, stop_ids, shm_size, cpuunits, change
     # bin/pct imports the stand-in from bin/pct_standin.py: a module's bytecode is cached, a script is
     # compiled again at every start (a suite makes over a thousand pct calls). -S: standard library only.
     module = _write_if_changed(hdir / "bin" / f"{PCT_MODULE}.py", PCT_SOURCE.read_text())
-    stub = (f"#!{_host_python()} -S\nimport sys\n\nimport {PCT_MODULE}\n\n"
-            f"sys.exit({PCT_MODULE}.main(sys.argv[1:]))\n")
-    if _write_if_changed(hdir / "bin" / "pct", stub) or module:
+    stubs = {"pct": "main", "lxc-prestart-hook": "hook_main"}  # the hook: LXC runs it at lxc-start
+    written = [_write_if_changed(hdir / "bin" / stub, f"#!{_host_python()} -S\nimport sys\n\n"
+                                 f"import {PCT_MODULE}\n\nsys.exit({PCT_MODULE}.{function}(sys.argv[1:]))\n")
+               for stub, function in stubs.items()]
+    if any(written) or module:
         changed.append(f"{name}: pct installed")
-    (hdir / "bin" / "pct").chmod(0o755)
+    for stub in stubs:
+        (hdir / "bin" / stub).chmod(0o755)
     host = _host_state(hdir)
     if not host.sshd_pid:
         _start_sshd(hdir, name)
@@ -289,7 +316,7 @@ def _container_conf(vmid, shm_size, cpuunits=None) -> str:
     # Proxmox keys; the shm size is the usual LXC mount entry for a bigger /dev/shm.
     weight = f"cpuunits: {cpuunits}\n" if cpuunits is not None else ""
     return (f"arch: amd64\ncores: 2\n{weight}hostname: ct{vmid}\nmemory: 4096\nostype: debian\n"
-            f"rootfs: sandbox:ct/{vmid}\nswap: 0\n"
+            f"rootfs: sandbox:ct/{vmid}\nswap: 0\nunprivileged: 1\n"
             f"lxc.mount.entry: tmpfs dev/shm tmpfs size={shm_size},nosuid,nodev,create=dir 0 0\n")
 
 
@@ -444,6 +471,13 @@ def _kill_host_processes(host: HostState) -> list[int]:
         time.sleep(0.01)
     (host.dir / "sshd.pid").unlink(missing_ok=True)
     return victims
+
+
+def init_pid(host: HostState, vmid) -> int | None:
+    """Host pid of a running container's init, as pct finds it (`lxc-info -p`), or None."""
+    r = subprocess.run(["/usr/bin/lxc-info", "-P", str(lxcpath(host.dir)), "-n", str(vmid), "-p", "-H"],
+                       capture_output=True, text=True)
+    return int(r.stdout) if r.returncode == 0 and r.stdout.strip().isdigit() else None
 
 
 # --- inventory --------------------------------------------------------------------------------

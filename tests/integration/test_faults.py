@@ -138,7 +138,7 @@ def ct_root(d) -> Path:
 def container_pids(d, program: str, *needles: str) -> list[int]:
     """Host pids of container 200's processes (its pid namespace) running `program` (argv[0]) whose
     command line holds every needle; other sandboxes' containers (other sessions, xdist workers) not."""
-    init = json.loads((ct_root(d).parent / "init.json").read_text())["child"]
+    init = sandbox_mod.init_pid(d.sandbox.host("pve1"), CT)
     namespace = os.readlink(f"/proc/{init}/ns/pid")
     found = []
     for entry in filter(str.isdigit, os.listdir("/proc")):

@@ -1,6 +1,6 @@
 """The embedded Proxmox host behaves like one: real sshd, real pct messages and exit codes, real isolation."""
 
-import json
+import glob
 import os
 import random
 import shlex
@@ -25,6 +25,7 @@ from dflash_ops.inventory import load_inventory
 
 pytestmark = pytest.mark.integration
 
+LXC_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # lxc-attach --clear-env's
 MISSING = "Configuration file 'nodes/{node}/lxc/{vmid}.conf' does not exist"
 
 
@@ -140,9 +141,10 @@ def test_exec_keeps_the_session_env_forces_path_and_starts_in_the_callers_cwd(sa
     assert ((env["FROM_HOST"], env["USER"], env["PATH"], env["container"])
             == ("a b", "root", "/sbin:/bin:/usr/sbin:/usr/bin", "lxc"))
     assert "SSH_CONNECTION" in env
-    assert sorted(cleared) == ["PATH=/sbin:/bin:/usr/sbin:/usr/bin", "container=lxc"]
-    # own hostname, root's home, own pid namespace (its init is pid 1)
-    assert where == ["ct200", "/root", "bwrap"]
+    # --keep-env 0 is lxc-attach --clear-env: LXC's own PATH
+    assert sorted(cleared) == [f"PATH={LXC_PATH}", "container=lxc"]
+    # own hostname, root's home, own pid namespace (LXC's init.lxc is pid 1)
+    assert where == ["ct200", "/root", "init.lxc.static"]
     assert elsewhere == ["/usr/share", "/etc/ssh", "/"]  # the state dir is not in the container: /
 
 
@@ -279,19 +281,6 @@ def test_a_push_onto_a_full_disk_is_short_and_silent(sandbox, tmp_path):
     assert (code, out.split(), err) == (0, ["0", "65536"], "")
 
 
-def test_the_kinder_switch_gives_back_the_old_exit_codes(sandbox, tmp_path):
-    code, _, err = ssh(sandbox, f"DFLASH_PCT_KINDER=1 pct push 200 {tmp_path}/nothing /tmp/x")
-    assert (code, err.strip()) == (255, f"failed to open {tmp_path}/nothing for reading")
-    code, _, _ = ssh(sandbox, "DFLASH_PCT_KINDER=1 pct exec 999 -- true")
-    assert code == 255
-    kept = tmp_path / "kept"  # the old pull: atomic, a failure leaves the destination as it was
-    kept.write_text("before")
-    code, _, _ = ssh(sandbox, f"DFLASH_PCT_KINDER=1 pct pull 200 /no/such/file {kept}")
-    assert (code, kept.read_text()) == (255, "before")
-    code, _, err = ssh(sandbox, f"DFLASH_PCT_KINDER=1 pct pull 200 /etc/hostname {kept}")
-    assert (code, kept.read_text()) == (0, "ct200\n"), err
-
-
 def test_pct_refuses_anyone_but_root(sandbox, tmp_path):
     # nobody cannot read the session's state dir: pct and its host.json go to a world-readable copy.
     with tempfile.TemporaryDirectory() as tmp:
@@ -384,8 +373,10 @@ def test_stop_kills_every_process_and_start_gives_fresh_tmp(private):
 
 
 def pct_of(sleep):
+    """Host pids of `pct exec 300 -- SLEEP`: pct has exec'd lxc-attach, as pve-container's does."""
     return [int(p) for p in os.listdir("/proc")
-            if p.isdigit() and _cmdline(p).endswith(f"/bin/pct exec 300 -- {sleep}")]
+            if p.isdigit() and _cmdline(p).startswith("/usr/bin/lxc-attach -P ")
+            and _cmdline(p).endswith(f" -n 300 --keep-env -- {sleep}")]
 
 
 def sshd_process_above(pid):
@@ -518,7 +509,7 @@ def test_up_refuses_to_run_without_root(tmp_path):
         p = subprocess.run(as_nobody, capture_output=True, text=True, cwd=tmp)
     assert p.returncode == 1, p.stderr
     assert p.stderr.strip().splitlines()[-1] == (
-        "dflash_ops.sandbox.SandboxError: the embedded host needs root (sshd, bubblewrap namespaces): "
+        "dflash_ops.sandbox.SandboxError: the embedded host needs root (sshd, LXC containers): "
         "run it as root")
 
 
@@ -591,29 +582,33 @@ def test_down_stops_every_host(two_hosts):
     assert [set(h.containers.values()) for h in after.hosts] == [{"stopped"}, {"stopped"}]
 
 
-def test_a_containers_processes_share_one_cgroup_weighted_by_its_cpuunits(sandbox_factory):
-    """Proxmox's cpuunits: the container's cgroup weight, which what `pct exec` starts joins, detached
-    or not (lxc-attach does); the cgroup goes with `pct stop`. The cgroup hangs right under the
-    controller's root, so the weight counts against the machine's other work, not only against the
-    host's other containers."""
+def container_cgroups(sb, vmid=None, host="pve1"):
+    """The cgroup dirs LXC made for this sandbox host's containers (or container `vmid`), in every
+    hierarchy: dflash-<host>-<vmid>, .monitor and .pivot, under the cgroup of whoever started it."""
+    name = f"dflash-{sandbox_mod.lxcpath(sb.host(host).dir).name}-{vmid if vmid else ''}"
+    return [d for d in glob.glob("/sys/fs/cgroup/**/" + name + "*", recursive=True) if os.path.isdir(d)]
+
+
+def test_a_containers_processes_share_its_cgroup_with_the_configs_limits(sandbox_factory):
+    """Proxmox's cpuunits and memory as LXC cgroup limits (v2 keys, or v1 where the machine has v1):
+    what `pct exec` starts is in the container's cgroup, detached or not (lxc-attach puts it there);
+    the cgroups go with `pct stop`, LXC's pivot dir included."""
     sb = sandbox_factory(containers=(310,), cpuunits=30)
-    state = json.loads((Path(sb.state_dir) / "pve1" / "ct" / "310" / "init.json").read_text())
-    cgroup = state["cgroup"]
-    if cgroup is None:
-        pytest.skip("this machine gives no writable cpu cgroup controller (cgroup v2 or v1)")
-    v2 = os.path.isfile(os.path.join(cgroup, "cpu.weight"))
-    assert os.path.dirname(cgroup) == ("/sys/fs/cgroup" if v2 else "/sys/fs/cgroup/cpu"), cgroup
+    v2 = os.path.isfile("/sys/fs/cgroup/cgroup.controllers")
+    own = [line.split(":", 2)[2] for line in Path("/proc/self/cgroup").read_text().splitlines()
+           if line.split(":")[1] == ("" if v2 else "cpu")][0]
+    root = "/sys/fs/cgroup" if v2 else "/sys/fs/cgroup/cpu"
+    name = f"dflash-{sandbox_mod.lxcpath(sb.host('pve1').dir).name}-310"
+    cgroup = os.path.join(root, own.lstrip("/"), name)
     weight = Path(cgroup, "cpu.weight" if v2 else "cpu.shares").read_text().strip()
     assert weight == ("30" if v2 else str(30 * 1024 // 100))
     sleep = unique_sleep()
+    limit = "/sys/fs/cgroup/memory.max" if v2 else "/sys/fs/cgroup/memory/memory.limit_in_bytes"
     code, out, err = ssh(sb, f"pct exec 310 -- setsid -f {sleep} </dev/null >/dev/null 2>&1; "
-                             "pct exec 310 -- cat /proc/self/cgroup")
-    assert code == 0, err
-    relative = "/" + os.path.relpath(cgroup, "/sys/fs/cgroup" if v2 else "/sys/fs/cgroup/cpu")
-    assert any(line.split(":", 2)[2] == relative for line in out.splitlines()), out
+                             f"pct exec 310 -- cat {limit}")
+    assert (code, out.strip()) == (0, str(4096 << 20)), err  # the config's memory: 4096, seen from inside
     wait_for(lambda: host_pids_running(sleep))
-    members = Path(cgroup, "cgroup.procs").read_text().split()
-    assert host_pids_running(sleep)[0] in members
+    assert host_pids_running(sleep)[0] in Path(cgroup, "cgroup.procs").read_text().split()
     code, _, err = ssh(sb, "pct stop 310")
     assert code == 0, err
-    assert not os.path.exists(cgroup)
+    assert container_cgroups(sb, 310) == []

@@ -63,10 +63,11 @@ class Deployed:
         return r.stdout.decode()
 
     def processes(self) -> list[str]:
-        """Command lines of every process in the container except pid 1's sleep and this ps."""
+        """Command lines of every process in the container except its init (LXC's init.lxc, whose
+        command line reads `init`), the sleep it runs, and this ps."""
         out = self.container("ps", "-ww", "-eo", "args", "--no-headers").stdout.splitlines()
-        ours = ("/usr/bin/bwrap", "/usr/bin/sleep infinity", "ps -ww -eo")
-        return [p for p in out if not p.startswith(ours)]
+        ours = ("/usr/bin/sleep infinity", "ps -ww -eo")
+        return [p for p in out if p != "init" and not p.startswith(ours)]
 
     def run_file(self, run: str, name: str) -> str:
         return self.container("cat", f"/root/runs/{run}/{name}").stdout

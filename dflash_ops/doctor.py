@@ -152,6 +152,16 @@ def cache_check(caches: dict) -> Check:
     return Check("compile caches", True, "; ".join(parts) or "none configured")
 
 
+def memory_check(fact: dict) -> Check:
+    """The container's memory limit, beside the GPUs: a run over it is killed (SIGKILL) by the kernel."""
+    limit, kills = fact.get("limit"), fact.get("oom_kills")
+    shown = f"{limit >> 20} MiB limit" if isinstance(limit, int) else "no limit found"
+    if isinstance(kills, int) and kills > 0:
+        return Check("container memory", True, f"WARNING: {shown}; its OOM killer killed {kills} process(es) "
+                     "since the container started", "docs/runbooks/container-oom.md")
+    return Check("container memory", True, shown)
+
+
 def layout_check(record: dict | None, target_gpus: int | None = None) -> Check:
     """The configured layout against the last `invoke plan` measurement: a warning, never a failure."""
     if not record:
@@ -181,6 +191,7 @@ def checks(ct: Container, found: dict, local: Local) -> list[Check]:
     return [
         Check("container running", True, f"{ct.label} (hostname {found.get('hostname', '?')})"),
         gpu_check(ct, found.get("gpus") or {}),
+        memory_check(found.get("memory") or {}),
         torch_check(ct, found.get("venv") or {}),
         venv_check(ct, found.get("venv") or {}, local),
         code_check(ct, found.get("code") or {}, local),

@@ -110,6 +110,8 @@ SIGNATURES: tuple[Signature, ...] = (
 STALLED = _sig("stalled-run", "no new log line or metric", "stalled-run.md", r"(?!x)x")
 CONTAINER = _sig("container", "container stopped or missing", "container.md", r"(?!x)x")
 HOST_KEY = _sig("ssh-host-key", "SSH host key unknown or changed", "ssh-host-key.md", r"(?!x)x")
+CONTAINER_OOM = _sig("container-oom", "killed by the container's memory limit (OOM killer)",
+                     "container-oom.md", r"(?!x)x")
 
 
 def match(line: str) -> Signature | None:

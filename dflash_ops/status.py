@@ -62,6 +62,8 @@ class RunStatus:
     replicas_differ: float | None = None  # the last checkpoint's replica_max_abs_diff when not 0
     free_runs: int | None = None    # bytes free on paths.runs' filesystem
     free_shm: int | None = None     # bytes free on /dev/shm
+    memory_limit: int | None = None  # the container's memory limit in bytes (None: none found)
+    oom_kills: int | None = None    # processes the container's OOM killer killed since it started
     last_eval: dict | None = None   # the last `invoke eval` (eval.json): step, acceptance, speedup, ...
     data_warnings: list = field(default_factory=list)  # data.json: answers not the target's, held-out overlap
     exit_code: str | None = None
@@ -144,6 +146,8 @@ def parse_status(text: str, where: str = "status") -> RunStatus:
     st = RunStatus(run=name, state="none" if not name else "missing", gpus=gpus,
                    gpu_error=" | ".join(gpu_errors) or None,
                    free_runs=_int(facts_.get("free_runs")), free_shm=_int(facts_.get("free_shm")))
+    memory = facts_.get("memory") if isinstance(facts_.get("memory"), dict) else {}
+    st.memory_limit, st.oom_kills = _int(memory.get("limit")), _int(memory.get("oom_kills"))
     if facts_.get("exists") is not True:
         return st
     state = facts_.get("state")
@@ -183,6 +187,14 @@ def parse_status(text: str, where: str = "status") -> RunStatus:
         st.uptime_s = ended - started
     if st.state == "crashed":
         st.last_error = last_error_line(logs)
+        if st.exit_code == "signal 9" and st.oom_kills:  # SIGKILL
+            # Nobody asked it to stop and the container's OOM killer ran: its memory limit, likely.
+            limit = f"{st.memory_limit >> 20} MiB" if st.memory_limit else "its limit"
+            st.detail += f", likely out of memory: the container's OOM killer ran ({limit})"
+            sig = runs.CONTAINER_OOM
+            st.findings.append({"key": sig.key, "title": sig.title, "runbook": sig.runbook,
+                                "line": f"{st.oom_kills} process(es) killed by the container's OOM killer "
+                                        f"since it started; memory limit {limit}"})
     return st
 
 

@@ -18,6 +18,7 @@ from dflash_ops.remote.prelude import (
     Refused,
     alive_run,
     check_deadline,
+    container_memory,
     dir_usage,
     open_regular,
     read_json,
@@ -171,7 +172,7 @@ def free_space(path):
     return {"path": path, "free": st.f_bavail * st.f_frsize, "total": st.f_blocks * st.f_frsize}
 
 
-FACTS = ("code", "venv", "model", "gpus", "space", "caches", "runs", "plan")
+FACTS = ("code", "venv", "model", "gpus", "memory", "space", "caches", "runs", "plan")
 
 
 def facts(args):
@@ -189,6 +190,8 @@ def facts(args):
         out["model"] = model_fact(args["model"])
     if "gpus" in want:
         out["gpus"] = gpus_fact()
+    if "memory" in want:
+        out["memory"] = container_memory()
     if "space" in want:
         out["space"] = {"shm": free_space("/dev/shm"), "runs": free_space(args["runs"])}
     if "caches" in want:

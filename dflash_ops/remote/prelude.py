@@ -213,6 +213,24 @@ def human(n):
         n /= 1024.0
 
 
+def container_memory():
+    """The container's memory limit (bytes, None: none) and how many processes its OOM killer has
+    killed since it started, from its own cgroup as LXC mounts it (v2: memory.max and memory.events,
+    v1: memory.limit_in_bytes and memory.oom_control's oom_kill). A limit the cgroup does not show
+    (Proxmox applies it a level above the container's cgroup namespace) is /proc/meminfo's MemTotal,
+    which lxcfs makes the container's limit."""
+    v2 = read_text("/sys/fs/cgroup/memory.max", 64)
+    base = "/sys/fs/cgroup/" if v2 is not None else "/sys/fs/cgroup/memory/"
+    limit = (v2 if v2 is not None else read_text(base + "memory.limit_in_bytes", 64) or "").strip()
+    events = read_text(base + ("memory.events" if v2 is not None else "memory.oom_control"), 4000) or ""
+    kills = next((int(f[1]) for f in map(str.split, events.splitlines())
+                  if len(f) == 2 and f[0] == "oom_kill" and f[1].isdigit()), None)
+    meminfo = (read_text("/proc/meminfo", 4000) or "").split()
+    total = int(meminfo[1]) * 1024 if meminfo[:1] == ["MemTotal:"] and meminfo[1].isdigit() else None
+    limits = [n for n in (int(limit) if limit.isdigit() else None, total) if n is not None and n < 1 << 62]
+    return {"limit": min(limits) if limits else None, "oom_kills": kills}
+
+
 def dir_usage(path):
     """Apparent size and number of files under path (no symlinks followed; stops at the deadline)."""
     size = files = 0

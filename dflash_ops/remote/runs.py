@@ -26,6 +26,7 @@ from dflash_ops.remote.prelude import (
     LOCK,
     TAIL_WINDOW,
     Refused,
+    container_memory,
     current_run,
     dir_usage,
     emit,
@@ -124,7 +125,7 @@ def status(args):
     name = args.get("name") or current_run(runs)
     now = int(time.time())
     out = {"now": now, "name": name, "exists": False, "gpus": gpu_lines(),
-           "free_runs": free_near(runs), "free_shm": free_bytes("/dev/shm")}
+           "free_runs": free_near(runs), "free_shm": free_bytes("/dev/shm"), "memory": container_memory()}
     try:
         name, path = resolve_run(runs, name) if name else (None, None)
     except Refused:

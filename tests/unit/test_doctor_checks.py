@@ -118,3 +118,12 @@ def test_a_full_dev_shm_is_not_blamed_on_old_runs():
     runs = space_check("free runs dir", {"free": 0, "total": 1 << 30, "path": "/root/runs"}, 1 << 30)
     assert not shm.ok and "/dev/shm" in shm.fix and "old runs" not in shm.fix
     assert not runs.ok and "old runs" in runs.fix
+
+
+def test_the_containers_memory_limit_is_shown_and_its_oom_kills_warned():
+    assert doctor.memory_check({"limit": 4096 << 20, "oom_kills": 0}) == doctor.Check(
+        "container memory", True, "4096 MiB limit")
+    warned = doctor.memory_check({"limit": 256 << 20, "oom_kills": 2})
+    assert (warned.ok, warned.fix) == (True, "docs/runbooks/container-oom.md")
+    assert warned.detail.startswith("WARNING: 256 MiB limit; its OOM killer killed 2 process(es)")
+    assert doctor.memory_check({}).detail == "no limit found"

@@ -58,10 +58,10 @@ def test_ordinary_lines_match_nothing(line):
 
 
 def test_runbook_pages_are_the_agreed_names():
-    pages = {s.page for s in runs.SIGNATURES} | {runs.STALLED.page, runs.CONTAINER.page,
-                                                        runs.HOST_KEY.page}
+    states = (runs.STALLED, runs.CONTAINER, runs.HOST_KEY, runs.CONTAINER_OOM)
+    pages = {s.page for s in runs.SIGNATURES} | {s.page for s in states}
     assert pages == {"compile-race.md", "cuda-oom.md", "nccl.md", "stalled-run.md", "slow-compile.md",
-                     "container.md", "venv-torch.md", "disk-full.md", "ssh-host-key.md"}
+                     "container.md", "venv-torch.md", "disk-full.md", "ssh-host-key.md", "container-oom.md"}
 
 
 def test_scan_reports_each_signature_once_with_its_last_line_in_table_order():

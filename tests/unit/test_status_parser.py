@@ -145,6 +145,35 @@ def test_sigkilled_run_is_crashed_with_the_signal():
     assert st.uptime_s == 16
 
 
+def with_memory(answer: str, limit, kills) -> str:
+    """The status verb's answer with the container's memory fact (remote.prelude.container_memory)."""
+    facts = json.loads(answer)
+    facts["ok"]["memory"] = {"limit": limit, "oom_kills": kills}
+    return json.dumps(facts)
+
+
+def test_a_sigkilled_run_in_a_container_whose_oom_killer_ran_names_the_likely_oom():
+    st = parse_status(with_memory(status_answer(KILLED), 256 << 20, 1))
+    assert (st.state, st.memory_limit, st.oom_kills) == ("crashed", 256 << 20, 1)
+    assert st.detail == ("killed by signal 9 (SIGKILL), likely out of memory: the container's OOM killer ran "
+                         "(256 MiB)")
+    assert [f["runbook"] for f in st.findings] == ["docs/runbooks/container-oom.md"]
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    render(st, "pve1/200", console)
+    assert "killed by the container's memory limit (OOM killer): read docs/runbooks/container-oom.md" in (
+        console.export_text())
+
+
+@pytest.mark.parametrize("kills, code", [(0, "signal 9"), (None, "signal 9"), (3, "1"), (3, "signal 15")])
+def test_no_oom_is_named_without_the_oom_killer_or_without_sigkill(kills, code):
+    killed = KILLED.replace("exit_code signal 9", f"exit_code {code}")
+    st = parse_status(with_memory(status_answer(killed), 256 << 20, kills))
+    assert "out of memory" not in st.detail
+    assert not [f for f in st.findings if f["key"] == "container-oom"]
+
+
 def test_stopped_run_says_how():
     st = parse_status(status_answer(STOPPED))
     assert st.state == "stopped"

@@ -67,7 +67,9 @@ def seed(template: Path, sandbox, host: str = "pve1", vmid: int = 200) -> None:
     """Give a running container the template's venv and tiny target where it has none, as a deploy
     would have left them. The venv is hard-linked, not copied (1.4 GB): a test must not write into a
     seeded venv's files in place (pip and Python replace files, which is fine); tests that change a
-    venv use a fresh, unseeded container (deployed_box.deployed_box)."""
+    venv use a fresh, unseeded container (deployed_box.deployed_box). The template was built in an
+    unprivileged container: its files belong to the container's root (uid 100000 on the host), as
+    every unprivileged container of the sandbox maps it, so a seeded container owns its venv."""
     paths = sandbox_mod.CONTAINER_DEFAULTS["paths"]
     root = sandbox.host(host).dir / "ct" / str(vmid) / "root"
     venv = root / paths["venv"].removeprefix("/root/")

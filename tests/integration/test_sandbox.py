@@ -19,7 +19,7 @@ import pytest
 import waiting
 import yaml
 
-from dflash_ops import errors, transport
+from dflash_ops import commands, errors, transport
 from dflash_ops import sandbox as sandbox_mod
 from dflash_ops.inventory import load_inventory
 
@@ -451,6 +451,81 @@ def test_a_killed_ssh_client_leaves_the_command_running_without_a_tty(private):
     assert not host_pids_running(sleep)
 
 
+def test_a_killed_ssh_session_leaves_pct_execs_command_running_but_not_a_session_tied_one(private):
+    """lxc-attach semantics: sshd closes a dropped session's pipes and signals nobody, so a bare
+    `pct exec` command goes on in the container (as the container's root, in its cgroup), while the
+    tool's session script (commands.SESSION_SCRIPT) sees its stdin end and ends its own command."""
+    bare, tied = unique_sleep(), unique_sleep()
+    lines = [f"pct exec 300 -- {bare}", commands.pct_exec(300, tied.split())]
+    clients = [subprocess.Popen(private.ssh_argv(line), stdin=subprocess.PIPE) for line in lines]
+    try:
+        wait_for(lambda: host_pids_running(bare) and host_pids_running(tied) and pct_of(bare))
+        for client in clients:
+            client.kill()
+            client.wait()
+        wait_for(lambda: not host_pids_running(tied))
+        [pid] = host_pids_running(bare)
+        assert os.stat(f"/proc/{pid}").st_uid == sandbox_mod.CONTAINER_ROOT_UID  # the container's root
+        cgroup = f"dflash-{sandbox_mod.lxcpath(private.host('pve1').dir).name}-300"
+        assert cgroup in Path(f"/proc/{pid}/cgroup").read_text()
+        code, out, _ = ssh(private, "pct exec 300 -- ps -eo args")
+        assert bare in out.splitlines()
+    finally:
+        ssh(private, f"pct exec 300 -- pkill -f -x '{bare}'")
+    assert not host_pids_running(bare)
+
+
+def test_dev_shm_is_the_containers_own_and_emptied_by_stop_and_by_shutdown(private):
+    state = Path(private.state_dir)
+    for stop in ("pct stop 301", "pct shutdown 301 --timeout 10"):
+        token = f"shm-{random.randint(0, 10**9)}"
+        code, _, err = ssh(private, f"pct exec 301 -- sh -c 'echo {token} > /dev/shm/{token}'")
+        assert code == 0, err
+        init = sandbox_mod.init_pid(private.host("pve1"), 301)
+        assert Path(f"/proc/{init}/root/dev/shm/{token}").read_text() == f"{token}\n"  # a tmpfs of its own
+        assert not os.path.exists(f"/dev/shm/{token}") and not list(state.rglob(token))
+        code, out, err = ssh(private, f"{stop} && pct status 301 && pct start 301 && "
+                                      "pct exec 301 -- ls -A /dev/shm")
+        assert (code, out.split()) == (0, ["status:", "stopped"]), err
+
+
+def test_the_container_cannot_remount_the_hosts_dirs_or_write_outside_its_own_dir(private):
+    """Unprivileged: the host's dirs are bound read-only before the container's user namespace
+    exists (the pre-start hook), so the kernel locks them read-only; whatever the container can
+    write lands in its own dir (its rootfs), in its tmpfs mounts, or in the shared pip cache."""
+    token = f"escape-{random.randint(0, 10**9)}"
+    dirs = ("/", "/root", "/tmp", "/var/tmp", "/home", "/run", "/dev/shm", "/usr", "/opt", "/etc", "/sys",
+            sandbox_mod.PIP_CACHE_MOUNT)
+    script = ('for d in /usr /opt /etc /sys; do mount -o remount,bind,rw "$d" 2>/dev/null && '
+              'echo "remounted $d"; done; t=$1; shift; '
+              'for d in "$@"; do echo x 2>/dev/null > "$d/$t" && echo "wrote $d"; done; true')
+    code, out, err = ssh(private, f"pct exec 300 -- sh -c {shlex.quote(script)} sh {token} {' '.join(dirs)}")
+    assert code == 0, err
+    assert "remounted" not in out
+    assert {line.split()[1] for line in out.splitlines()} == {
+        "/", "/root", "/tmp", "/var/tmp", "/home", "/run", "/dev/shm", sandbox_mod.PIP_CACHE_MOUNT}
+    for host_dir in dirs:
+        assert not os.path.exists(os.path.join(host_dir, token)), host_dir
+    state = Path(private.state_dir)
+    ct = state / "pve1" / "ct" / "300"
+    assert sorted(state.rglob(token)) == sorted([ct / token, ct / "root" / token, ct / "tmp" / token,
+                                                  ct / "var" / "tmp" / token, ct / "home" / token,
+                                                  state / "pip-cache" / token])
+    for path in state.rglob(token):
+        path.unlink()
+
+
+def lxc_leftovers(sb) -> list[str]:
+    """What LXC could leave of a sandbox host: monitors and attaches (ps), cgroup dirs, mounts, its
+    lxcpath."""
+    run = str(sandbox_mod.lxcpath(sb.host("pve1").dir))
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout.splitlines()
+    mounts = [line for line in Path("/proc/self/mountinfo").read_text().splitlines()
+              if str(sb.state_dir) in line or run in line]
+    return ([p for p in ps if run in p] + container_cgroups(sb) + mounts
+            + ([run] if os.path.exists(run) else []))
+
+
 def test_down_leaves_no_process_behind(private):
     state = str(private.state_dir)
     sshd_pid = private.host("pve1").sshd_pid
@@ -471,6 +546,7 @@ def test_down_leaves_no_process_behind(private):
     after = sandbox_mod.status(state)
     assert after.host("pve1").sshd_pid is None
     assert set(after.host("pve1").containers.values()) == {"stopped"}
+    assert lxc_leftovers(private) == []
     assert sandbox_mod.down(state).changed == ()  # a second down has nothing left to do
 
 
@@ -493,6 +569,29 @@ def test_a_session_killed_before_teardown_still_takes_its_sandbox_down(tmp_path)
     assert after.host("pve1").sshd_pid is None
     assert after.host("pve1").containers == {200: "stopped"}
     assert state not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert lxc_leftovers(after) == []
+
+
+def test_a_container_whose_monitor_was_killed_is_still_taken_down(sandbox_factory):
+    """A SIGKILLed LXC monitor takes its container's init with it (LXC gives init a parent-death
+    signal) and leaves the container's cgroups behind, without a command socket (pct says stopped):
+    down() still removes them, killing anything found in them (a cgroup proves whose a process is)."""
+    sb = sandbox_factory(containers=(320,))
+    sleep = unique_sleep()
+    code, _, err = ssh(sb, f"pct exec 320 -- setsid -f {sleep} </dev/null >/dev/null 2>&1")
+    assert code == 0, err
+    wait_for(lambda: host_pids_running(sleep))
+    init = sandbox_mod.init_pid(sb.host("pve1"), 320)
+    run = str(sandbox_mod.lxcpath(sb.host("pve1").dir))
+    [monitor] = [int(p) for p in os.listdir("/proc")
+                 if p.isdigit() and _cmdline(p) == f"[lxc monitor] {run} 320"]
+    os.kill(monitor, signal.SIGKILL)
+    wait_for(lambda: not sandbox_mod._alive(monitor))
+    assert sandbox_mod.status(sb.state_dir).host("pve1").containers == {320: "stopped"}
+    assert container_cgroups(sb, 320)
+    sandbox_mod.down(sb.state_dir)
+    assert not sandbox_mod._alive(init) and not host_pids_running(sleep)
+    assert lxc_leftovers(sb) == []
 
 
 def test_up_refuses_to_run_without_root(tmp_path):

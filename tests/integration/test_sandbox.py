@@ -478,11 +478,13 @@ def test_a_killed_ssh_session_leaves_pct_execs_command_running_but_not_a_session
 def test_dev_shm_is_the_containers_own_and_emptied_by_stop_and_by_shutdown(private):
     state = Path(private.state_dir)
     for stop in ("pct stop 301", "pct shutdown 301 --timeout 10"):
-        token = f"shm-{random.randint(0, 10**9)}"
-        code, _, err = ssh(private, f"pct exec 301 -- sh -c 'echo {token} > /dev/shm/{token}'")
+        token, sleep = f"shm-{random.randint(0, 10**9)}", unique_sleep()
+        code, _, err = ssh(private, f"pct exec 301 -- sh -c 'echo {token} > /dev/shm/{token}'; "
+                                    f"pct exec 301 -- setsid -f {sleep} </dev/null >/dev/null 2>&1")
         assert code == 0, err
-        init = sandbox_mod.init_pid(private.host("pve1"), 301)
-        assert Path(f"/proc/{init}/root/dev/shm/{token}").read_text() == f"{token}\n"  # a tmpfs of its own
+        wait_for(lambda sleep=sleep: host_pids_running(sleep))
+        [inside] = host_pids_running(sleep)  # a process of the container: its /dev/shm is a tmpfs of its own
+        assert Path(f"/proc/{inside}/root/dev/shm/{token}").read_text() == f"{token}\n"
         assert not os.path.exists(f"/dev/shm/{token}") and not list(state.rglob(token))
         code, out, err = ssh(private, f"{stop} && pct status 301 && pct start 301 && "
                                       "pct exec 301 -- ls -A /dev/shm")

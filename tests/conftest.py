@@ -1,4 +1,4 @@
-"""Fixtures for tests against the embedded Proxmox host (real sshd on 127.0.0.1, real pct isolation),
+"""Fixtures for tests against the embedded Proxmox host (real sshd on 127.0.0.1, real LXC containers),
 shared by tests/integration and tests/conformance, and the conformance suite's options.
 
 `--inventory FILE --ct ID [--stopped-ct ID]`: tests/conformance checks that host instead of the
@@ -47,7 +47,8 @@ TESTS = Path(__file__).resolve().parent
 os.environ.setdefault("DFLASH_CONTROL_PERSIST", "0")
 # The containers' processes (training runs a test keeps alive while it works the CLI) yield the CPU
 # to the tests' own processes: each container's cgroup weight is a quarter of Proxmox's default
-# (sandbox/pct, `cpuunits`). Export DFLASH_SANDBOX_CPUUNITS=100 for the default weight.
+# (sandbox/pct writes `cpuunits` as the LXC cgroup's weight). Export DFLASH_SANDBOX_CPUUNITS=100 for
+# the default weight.
 os.environ.setdefault("DFLASH_SANDBOX_CPUUNITS", "25")
 TIERS = {"unit": "unit", "integration": "integration", "conformance": "integration", "remote": "training"}
 # Before a run has recorded durations, a guess per test: the slow tiers' files first.
@@ -141,7 +142,7 @@ def pytest_addoption(parser):
 def bring_up(state_dir, **layout):
     """A sandbox in `state_dir`, its inventory next to its state; skipped (not failed) without root."""
     if os.geteuid() != 0:
-        pytest.skip("the embedded host needs root (sshd, bubblewrap namespaces)")
+        pytest.skip("the embedded host needs root (sshd, LXC containers)")
     sb = sandbox_mod.up(state_dir, inventory_path=os.path.join(state_dir, "sandbox.yaml"), **layout)
     sandbox_mod.watch(sb.state_dir, os.getpid())  # a session killed before teardown leaves nothing running
     return sb

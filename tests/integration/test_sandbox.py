@@ -713,3 +713,18 @@ def test_a_containers_processes_share_its_cgroup_with_the_configs_limits(sandbox
     code, _, err = ssh(sb, "pct stop 310")
     assert code == 0, err
     assert container_cgroups(sb, 310) == []
+
+
+def test_a_privileged_container_maps_no_user(sandbox_factory):
+    """`unprivileged: 0` (Proxmox's default without the key): the container's root is the host's."""
+    sb = sandbox_factory(containers=(330,))
+    conf = Path(sb.state_dir) / "pve1" / "nodes" / "pve1" / "lxc" / "330.conf"
+    conf.write_text(conf.read_text().replace("unprivileged: 1\n", "unprivileged: 0\n"))
+    sleep = unique_sleep()
+    code, out, err = ssh(sb, f"pct stop 330 && pct start 330 && pct exec 330 -- cat /proc/self/uid_map && "
+                             f"pct exec 330 -- setsid -f {sleep} </dev/null >/dev/null 2>&1")
+    assert (code, out.split()) == (0, ["0", "0", "4294967295"]), err
+    wait_for(lambda: host_pids_running(sleep))
+    assert os.stat(f"/proc/{host_pids_running(sleep)[0]}").st_uid == 0
+    code, out, err = ssh(sb, f"pct exec 330 -- pkill -f -x '{sleep}'; pct stop 330")
+    assert code == 0, err

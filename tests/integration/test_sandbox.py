@@ -728,3 +728,14 @@ def test_a_privileged_container_maps_no_user(sandbox_factory):
     assert os.stat(f"/proc/{host_pids_running(sleep)[0]}").st_uid == 0
     code, out, err = ssh(sb, f"pct exec 330 -- pkill -f -x '{sleep}'; pct stop 330")
     assert code == 0, err
+
+
+def test_a_container_that_cannot_start_is_named_with_lxcs_errors_and_leaves_nothing(sandbox_factory):
+    """lxc-start says little (and exits 0 when init dies at once): pct start reads LXC's log."""
+    sb = sandbox_factory(containers=(340,), stopped=(341,))
+    conf = Path(sb.state_dir) / "pve1" / "nodes" / "pve1" / "lxc" / "341.conf"
+    conf.write_text(conf.read_text() + "lxc.mount.entry: /no/such/dir mnt none bind 0 0\n")
+    code, out, err = ssh(sb, "pct start 341; echo $?; pct status 341")
+    assert out.split() == ["255", "status:", "stopped"], err
+    assert err.startswith("startup for container '341' failed: ") and "/no/such/dir" in err, err
+    assert container_cgroups(sb, 341) == []

@@ -179,10 +179,11 @@ def train(t, run=None, config=None, set=None, max_steps=None, ct=None, group=Non
     `train --run NAME` on an existing run resumes from that spec: new --set values (and --config,
     --max-steps) apply on top, are shown as changes before the launch, and are recorded; other data
     or another target for a run with checkpoints is refused unless --confirm-change; --max-steps N
-    alone continues a finished run. One run at a time per container, enforced by a lock in the container, so two launches at the
-    same moment start one. `train` then shows the log until the first step and returns (multi-node:
-    without waiting); a run that dies meanwhile is reported `crashed` with its last error line and the
-    runbook (non-zero exit). Ctrl-C ends the wait, never the run. --no-wait returns at once.
+    alone continues a finished run. One run at a time per container, enforced by a lock in the
+    container, so two launches at the same moment start one. `train` then shows the log until the
+    first step and returns (multi-node: without waiting); a run that dies meanwhile is reported
+    `crashed` with its last error line and the runbook (non-zero exit). Ctrl-C ends the wait, never
+    the run. --no-wait returns at once.
 
     With --group NAME (or --ct 200,201) it is one run over all those containers: each starts it
     under torchrun (c10d rendezvous on the first container's node, --rdzv-port), drafter gradients

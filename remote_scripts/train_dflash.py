@@ -100,7 +100,7 @@ def train(args) -> int:
     sampler_state = sampler.state_dict()
     window, window_start = [], time.perf_counter()
     devices = target_devices + drafter_devices
-    first_step = step + 1  # always logged: the launch waits for this line (container_runs.STEP)
+    first_step = step + 1  # always logged: the launch waits for this line (dflash_ops.remote.runs.STEP)
     if step == 0 and eval_batches:
         evaluate(workers[0], eval_batches, metrics, step)
     while step < stop_step and not stop.requested:

@@ -155,15 +155,18 @@ def _train_nodes(targets, run=None, config=None, set=None, max_steps=None, rdzv_
     "config": "training config in the container, relative to paths.code (default: the inventory's "
               "train_config)",
     "set": "override a config value, key=value (repeatable), passed to train_dflash.py as given",
-    "max_steps": "stop at this step (the LR schedule still follows train.max_steps)",
+    "max_steps": "stop at this step; past train.max_steps it lengthens the LR schedule to it (how a "
+                 "finished run continues)",
     "wait": "seconds to wait for the run to log its first training step (the `step N/M |` line in "
             "train.log, written for the first step of every launch, resumes included), showing the "
             "log meanwhile (Ctrl-C ends the wait only)",
     "no_wait": "return once the process is detached and alive, without waiting for its first step",
+    "confirm_change": "let an existing run with checkpoints go on with other data or another target "
+                      "(its tokenizer too); without it that is refused, as it makes a different run",
     "rdzv_port": "multi-node (--group or several --ct): the rendezvous port on the first container's node"},
          fan_out=_train_nodes)
 def train(t, run=None, config=None, set=None, max_steps=None, ct=None, group=None, inventory=None,
-          dry_run=False, wait=900, no_wait=False, rdzv_port=29400):
+          dry_run=False, wait=900, no_wait=False, rdzv_port=29400, confirm_change=False):
     """Start a detached training run in the container and wait for its first step; refused while another run is alive.
 
     First a preflight in the container (the config, the target, the data, the devices, free space,
@@ -171,11 +174,16 @@ def train(t, run=None, config=None, set=None, max_steps=None, ct=None, group=Non
     fix, and nothing is created. Then the run is started under `setsid` with a small wrapper that
     records its pid and, when it ends, its exit code or signal; it survives this SSH session and
     your terminal. Its directory under paths.runs holds train.log, metrics.jsonl, checkpoints/, the
-    config as given and as resolved, the environment (secrets masked) and the deployed code version.
-    One run at a time per container, enforced by a lock in the container, so two launches at the
-    same moment start one. `train` then shows the log until the first step and returns (multi-node:
-    without waiting); a run that dies meanwhile is reported `crashed` with its last error line and the
-    runbook (non-zero exit). Ctrl-C ends the wait, never the run. --no-wait returns at once.
+    config as given and as resolved, the environment (secrets masked), the deployed code version and
+    the run's spec (launch.json: config, every --set, --max-steps, devices, code version).
+    `train --run NAME` on an existing run resumes from that spec: new --set values (and --config,
+    --max-steps) apply on top, are shown as changes before the launch, and are recorded; other data
+    or another target for a run with checkpoints is refused unless --confirm-change; --max-steps N
+    alone continues a finished run. One run at a time per container, enforced by a lock in the
+    container, so two launches at the same moment start one. `train` then shows the log until the
+    first step and returns (multi-node: without waiting); a run that dies meanwhile is reported
+    `crashed` with its last error line and the runbook (non-zero exit). Ctrl-C ends the wait, never
+    the run. --no-wait returns at once.
 
     With --group NAME (or --ct 200,201) it is one run over all those containers: each starts it
     under torchrun (c10d rendezvous on the first container's node, --rdzv-port), drafter gradients
@@ -186,7 +194,7 @@ def train(t, run=None, config=None, set=None, max_steps=None, ct=None, group=Non
 
     if float(wait) <= 0:
         raise UsageError(f"--wait {wait}: must be > 0 seconds (or give --no-wait)")
-    launched = launch.launch(t, run, config, set or (), max_steps)
+    launched = launch.launch(t, run, config, set or (), max_steps, confirm_change=confirm_change)
     if not (dry_run or no_wait):  # the wait only watches: a dry run prints the commands that act
         launched.verdict = launch.wait_until_going(t, launched, float(wait))
     return launched

@@ -7,7 +7,8 @@ A run lives in `<paths.runs>/<name>/`:
     metrics.jsonl    written by the training script
     checkpoints/     written by the training script
     config.yaml      the resolved config (training script); config.given.yaml: the file as launched
-    launch.json      argv, --set values, container, who/when; env: the environment (secrets masked)
+    launch.json      the run's spec: config, every --set, --max-steps, devices, code version; argv,
+                     container, who/when (its last launch's); env: the environment (secrets masked)
     code_version     `tree <hash>` of the deploy manifest the run started with; code_manifest.json: a copy
     run.sh           the wrapper that ran it; pgid: its pid (= process group); pid: the training process
     started, ended   epoch seconds; exit_code: `0`, `N` or `signal N`, written when the process ends
@@ -39,13 +40,14 @@ from dataclasses import dataclass, field
 from . import commands, fanout, terminal
 from .errors import PreflightFailed, RemoteCommandFailed, RunStateError, UsageError
 from .inventory import SECRET_NAME, Container
-from .payload import config_path, inventory_sets, payload_argv
+from .payload import config_path, inventory_sets, payload_argv, validate_sets
 from .remote import ship
 from .runs import default_run_name, describe_exit, run_dir, shown_name, validate_run_name, why_it_failed
 from .target import Target
 
 LAUNCH_TIMEOUT_S = 600.0  # the launch verb: the preflight (up to 300 s), the settle, the answer
 STOP_TIMEOUT_S = 60.0     # the stop verb beyond the grace: SIGKILL, the lock's release, the answer
+SPEC_TIMEOUT_S = 60.0     # the spec verb: launch.json and the deploy manifest read
 WAIT_OUTPUT_CAP = 64 << 20  # the wait verb streams the log until the first step: a few MiB at most
 MANIFEST = ".dflash-manifest.json"  # written by deploy into paths.code
 TRAIN_SCRIPT = "train_dflash.py"
@@ -100,19 +102,23 @@ class Launch:
 
 def launch_argv(ct: Container, name: str, config: str | None = None, sets: Sequence[str] = (),
                 max_steps: int | None = None, settle: float = LAUNCH_SETTLE_S,
-                now: _dt.datetime | None = None, launcher: Sequence[str] = ()) -> tuple[list[str], list[str]]:
+                now: _dt.datetime | None = None, launcher: Sequence[str] = (),
+                allow_change: bool = False) -> tuple[list[str], list[str]]:
     """(container argv of the `launch` verb, training argv). Pure.
 
     `launcher`: a script and its options that the python runs instead, the training script's
-    argv after them (multi-node training's torchrun: launcher_args)."""
+    argv after them (multi-node training's torchrun: launcher_args). `allow_change`: the preflight
+    lets a run with checkpoints resume on other data or another target."""
     directory = run_dir(ct, name)
     train = payload_argv(ct, TRAIN_SCRIPT, config, sets, run_dir=directory, max_steps=max_steps)
     preflight = [ct.venv_python, f"{ct.paths.code}/{PREFLIGHT_SCRIPT}", *train[2:]]
+    if allow_change:
+        preflight.append("--allow-change")
     train[1:1] = list(launcher)
     record = {
         "run": name, "container": ct.ctid, "host": ct.host.name, "argv": train,
         "config": config_path(ct, config), "sets": list(sets), "inventory_sets": inventory_sets(ct),
-        "max_steps": max_steps,
+        "max_steps": max_steps, "devices": configured_devices(ct),
         "launched_at": (now or _dt.datetime.now(_dt.timezone.utc)).isoformat(timespec="seconds"),
         "launched_by": f"{getpass.getuser()}@{socket.gethostname()}",
     }
@@ -126,14 +132,102 @@ def launch_argv(ct: Container, name: str, config: str | None = None, sets: Seque
     return ship.argv(ct, "runs", "launch", payload), train
 
 
+def configured_devices(ct: Container) -> dict:
+    """The devices the inventory gives a run's roles (None: the config's)."""
+    return {role: ct.roles.devices(role) or None for role in ("target", "drafter")}
+
+
+@dataclass
+class Spec:
+    """What a launch runs: the run's saved spec with this launch's values on top."""
+    config: str | None          # --config (None: the inventory's train_config)
+    sets: list                  # every --set, the saved ones first, a new value in its key's place
+    max_steps: int | None
+    changes: list = field(default_factory=list)  # `what: before -> after` lines, for the user
+    saved: bool = False         # the run had a spec: this launch resumes it
+
+
+def merge_spec(ct: Container, saved, config: str | None, sets: Sequence[str], max_steps: int | None,
+               code_now: str | None = None) -> Spec:
+    """A run's saved spec (its launch.json, read in the container: untrusted) + this launch's
+    --config, --set and --max-steps. Pure.
+
+    A new --set replaces the saved value of its key; --config and --max-steps replace theirs when
+    given. `changes` also names what the inventory or a deploy changed since (devices, its --set
+    values, the code version)."""
+    if not isinstance(saved, dict):
+        return Spec(config, list(sets), max_steps)
+    merged: dict = {}
+    try:
+        for value in validate_sets([s for s in saved.get("sets") or [] if isinstance(s, str)]):
+            key, _, val = value.partition("=")
+            merged[key] = val
+        old_config = config_path(ct, saved["config"]) if isinstance(saved.get("config"), str) else None
+    except UsageError as exc:
+        raise RemoteCommandFailed(f"{ct.label}: the run's saved spec (launch.json) is not usable: {exc}; "
+                                  "start a new --run name") from None
+    changes = []
+    for value in sets:
+        key, _, val = value.partition("=")
+        if merged.get(key) != val:
+            changes.append(f"--set {key}: {merged.get(key, '(the config file)')} -> {val}")
+        merged[key] = val
+    if config is not None and old_config is not None and config_path(ct, config) != old_config:
+        changes.append(f"--config: {old_config} -> {config_path(ct, config)}")
+    old_steps = saved.get("max_steps") if isinstance(saved.get("max_steps"), int) else None
+    if max_steps is not None and max_steps != old_steps:
+        changes.append(f"--max-steps: {old_steps or '(train.max_steps)'} -> {max_steps}")
+    for what, before, now in (("devices", saved.get("devices"), configured_devices(ct)),
+                              ("inventory --set", saved.get("inventory_sets"), inventory_sets(ct)),
+                              ("code", saved.get("code_version"), code_now)):
+        if before is not None and now is not None and before != now:
+            changes.append(f"{what}: {json.dumps(before)} -> {json.dumps(now)}")
+    return Spec(config if config is not None else old_config, [f"{k}={v}" for k, v in merged.items()],
+                max_steps if max_steps is not None else old_steps, changes, saved=True)
+
+
+def describe_spec(name: str, spec: Spec) -> str:
+    """What the user reads before a resume: the spec it runs, and what changed (printable text)."""
+    shown = " ".join([f"--config {spec.config}"] * bool(spec.config) + [f"--set {s}" for s in spec.sets]
+                     + [f"--max-steps {spec.max_steps}"] * (spec.max_steps is not None))
+    lines = [f"run {name}: resuming with its saved spec: {shown or '(the defaults)'}"]
+    lines += [f"  changed: {change}" for change in spec.changes] or ["  (nothing changed)"]
+    return "\n".join(terminal.visible(line) for line in lines)
+
+
 # --- remote operations -------------------------------------------------------------------------------
 
+def saved_spec(t, name: str) -> tuple[dict | None, str | None]:
+    """(the run's saved spec or None, the code version deployed now): one round trip."""
+    ct = t.container
+    line = ship.line(ct, "runs", "spec", {"runs": ct.paths.runs, "name": name,
+                                          "manifest": f"{ct.paths.code}/{MANIFEST}"})
+    result = t.session.run_in(ct, line, timeout=SPEC_TIMEOUT_S, limit=ship.ANSWER_CAP)
+    answer = read_answer(ct, result.stdout, "reading the run's spec")
+    code = answer.get("code_version")
+    return (answer.get("spec") if isinstance(answer.get("spec"), dict) else None,
+            code if isinstance(code, str) else None)
+
+
 def launch(t, run: str | None = None, config: str | None = None, sets: Sequence[str] = (),
-           max_steps: int | None = None, launcher: Sequence[str] = ()) -> Launch:
-    """Preflight, then start a detached training run (one round trip); refuse while another run is alive."""
+           max_steps: int | None = None, launcher: Sequence[str] = (), confirm_change: bool = False,
+           console=None) -> Launch:
+    """Preflight, then start a detached training run; refuse while another run is alive.
+
+    An existing run (`--run NAME`) resumes from its saved spec with this launch's values on top;
+    what changed is shown first (one round trip more). A run with checkpoints given other data or
+    another target is refused by the preflight unless `confirm_change`."""
     ct = t.container
     name = validate_run_name(run) if run is not None else default_run_name()
-    argv, train = launch_argv(ct, name, config, sets, max_steps, launcher=launcher)
+    spec = Spec(config, validate_sets(sets), max_steps)
+    if run is not None and not t.dry_run:  # a dry run prints the commands that act; this one reads
+        saved, code_now = saved_spec(t, name)
+        spec = merge_spec(ct, saved, config, spec.sets, max_steps, code_now)
+        if spec.saved:
+            (console or terminal.console(stderr=False)).print(describe_spec(name, spec), markup=False,
+                                                              highlight=False, soft_wrap=True)
+    argv, train = launch_argv(ct, name, spec.config, spec.sets, spec.max_steps, launcher=launcher,
+                              allow_change=confirm_change)
     result = t.session.exec(ct, argv, env=ct.run_env(), cwd=ct.paths.code, timeout=LAUNCH_TIMEOUT_S,
                             limit=ship.ANSWER_CAP)
     out = Launch(run=name, run_dir=run_dir(ct, name), argv=train, where=ct.label, ctid=ct.ctid)

@@ -72,6 +72,7 @@ class RunStatus:
     gpu_error: str | None = None
     findings: list = field(default_factory=list)  # [{key, title, runbook, line}]
     last_error: str | None = None   # a crashed run's last error line (its log's tail)
+    spec: dict | None = None        # the run's spec (launch.json): config, sets, max_steps, devices, code
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=False)
@@ -168,6 +169,7 @@ def parse_status(text: str, where: str = "status") -> RunStatus:
     _apply_metrics(st, _texts(facts_.get("metrics"), 1 << 16, 200))
     st.last_eval = _last_eval(facts_.get("eval"))
     st.data_warnings = _data_warnings(facts_.get("data"))
+    st.spec = _spec(facts_.get("spec"))
     logs = _texts(facts_.get("log"), 2000, 200)
     st.findings = [{"key": s.key, "title": s.title, "runbook": s.runbook, "line": line}
                    for s, line in runs.scan(logs)]
@@ -224,6 +226,21 @@ def _apply_metrics(st: RunStatus, lines: list[str]) -> None:
     if evaluation:
         st.eval_loss = _num(evaluation.get("loss"))
         st.eval_step = _int(evaluation.get("step")) if not isinstance(evaluation.get("step"), str) else None
+
+
+def _spec(value) -> dict | None:
+    """launch.json's spec fields, each of its type or None (read in the container: untrusted)."""
+    if not isinstance(value, dict):
+        return None
+    devices = value.get("devices") if isinstance(value.get("devices"), dict) else {}
+    steps = value.get("max_steps")
+    return {"config": _text(value.get("config"), 1000), "sets": _texts(value.get("sets"), 2000, 200),
+            "max_steps": None if isinstance(steps, str) else _int(steps),
+            "devices": {role: _text(devices.get(role), 400) for role in ("target", "drafter")},
+            "inventory_sets": _texts(value.get("inventory_sets"), 2000, 50),
+            "code_version": _text(value.get("code_version"), 300),
+            "launched_at": _text(value.get("launched_at"), 100),
+            "launched_by": _text(value.get("launched_by"), 300)}
 
 
 def _apply_checkpoint(st: RunStatus, fact, now: int | None) -> None:

@@ -325,19 +325,29 @@ def cli_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--target-devices", help="e.g. cuda:0,cuda:1,cuda:2 or cpu")
     parser.add_argument("--drafter-devices", help="one worker per entry, e.g. cuda:5,cuda:6 or cpu,cpu")
     parser.add_argument("--run-dir", help="run directory (default: train.run_dir)")
-    parser.add_argument("--max-steps", type=int, help="stop at this step (schedule unchanged)")
+    parser.add_argument("--max-steps", type=int, help="stop at this step; past train.max_steps it also "
+                        "lengthens the LR schedule to it (a finished run continued)")
     return parser
 
 
 def config_from_args(args) -> Config:
-    return load_config(args.config, args.set, {
+    config = load_config(args.config, args.set, {
         "devices.target": args.target_devices, "devices.drafter": args.drafter_devices,
         "train.run_dir": os.path.abspath(args.run_dir) if args.run_dir else None})
+    return with_schedule_to(config, args.max_steps)
+
+
+def with_schedule_to(config: Config, max_steps: int | None) -> Config:
+    """--max-steps past train.max_steps (a finished run continued) lengthens the LR schedule to it:
+    train.max_steps becomes max_steps, and config.yaml records it. Shorter, the schedule stays."""
+    if not max_steps or max_steps <= config.train.max_steps:
+        return config
+    return dataclasses.replace(config, train=dataclasses.replace(config.train, max_steps=max_steps))
 
 
 def stop_step(config: Config, max_steps: int | None) -> int:
-    """The step a run stops at: --max-steps, capped by the schedule's train.max_steps."""
-    return min(max_steps or config.train.max_steps, config.train.max_steps)
+    """The step a run stops at: --max-steps, else train.max_steps."""
+    return max_steps or config.train.max_steps
 
 
 def setup_logging(run_dir: str | None) -> None:

@@ -8,7 +8,8 @@ config -> devices -> data -> target -> drafters (resumed from RUN/checkpoints/la
 -> warm-up (every shape, in the main thread) -> loop (one worker thread per drafter device,
 gradients averaged every step, checkpoints). The first step of every launch is logged (the launch
 waits for it), then every train.log_every steps. On SIGTERM writes a checkpoint and exits 0.
---max-steps N stops at step N; the LR schedule still follows train.max_steps.
+--max-steps N stops at step N; the LR schedule follows train.max_steps, lengthened to N when N is
+larger (a finished run continued).
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def train(args) -> int:
     sampler_state = sampler.state_dict()
     window, window_start = [], time.perf_counter()
     devices = target_devices + drafter_devices
-    first_step = step + 1  # always logged: the launch waits for this line (container_runs.STEP)
+    first_step = step + 1  # always logged: the launch waits for this line (dflash_ops.remote.runs.STEP)
     if step == 0 and eval_batches:
         evaluate(workers[0], eval_batches, metrics, step)
     while step < stop_step and not stop.requested:

@@ -26,6 +26,7 @@ from dflash_ops.remote.prelude import (
     check_deadline,
     number,
     read_end,
+    read_spec,
     read_text,
     runs_lock,
     serve,
@@ -120,7 +121,7 @@ def run_record(runs, name, now, stall_after):
         "duration_s": ((ended if ended and not alive else now) - started) if started else None,
         "exit_code": state["files"].get("exit_code"), "bytes": disk_usage(run_dir),
         "latest_checkpoint": latest, "checkpoints": steps, "leftovers": leftovers,
-        "keep_last": keep_last_of(run_dir),
+        "keep_last": keep_last_of(run_dir), "spec": read_spec(run_dir),
     }
 
 

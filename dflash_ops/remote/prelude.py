@@ -328,6 +328,16 @@ def resolve_run(runs, name=None):
     return name, path
 
 
+SPEC_CAP = 1 << 16        # launch.json (a run's spec) larger than this is not read
+
+
+def read_spec(path):
+    """Run dir `path`'s spec: launch.json as its last launch wrote it (config, sets, max_steps,
+    devices, code version), or None."""
+    spec = read_json(os.path.join(path, "launch.json"), SPEC_CAP)
+    return spec if isinstance(spec, dict) else None
+
+
 def run_files(path):
     """The run's small files (pid, pgid, started, ...): their first FILE_CAP bytes on one line each."""
     files = {}

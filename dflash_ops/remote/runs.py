@@ -36,6 +36,7 @@ from dflash_ops.remote.prelude import (
     free_text,
     mtime,
     read_end,
+    read_spec,
     read_text,
     resolve_run,
     run_alive,
@@ -140,6 +141,7 @@ def status(args):
                metrics=tail_lines(metrics, int(args.get("metric_lines", 20)), cap=METRIC_LINE_CAP),
                log=tail_lines(log, int(args.get("log_lines", 40))))
     out["data"] = read_text(os.path.join(path, "data.json"), 4000)
+    out["spec"] = read_spec(path)
     latest = os.path.join(path, "checkpoints", "latest")
     text = read_text(latest, 100)
     if text is not None:
@@ -149,6 +151,33 @@ def status(args):
     if text is not None and out["eval"] is None:
         out["eval_error"] = f"eval.json is larger than {EVAL_CAP} bytes"
     return out
+
+
+def spec(args):
+    """What `train --run NAME` resumes from: the run's saved spec (None for a new run), and the
+    code deployed now."""
+    try:
+        _, path = resolve_run(args["runs"], args["name"])
+    except Refused:
+        path = None  # no such run yet: the launch makes a new one
+    return {"exists": path is not None, "spec": read_spec(path) if path else None,
+            "code_version": code_version(args.get("manifest") or "")[0]}
+
+
+def code_version(manifest_path):
+    """(`tree <hash>` of the deploy manifest, or why it is unknown; the manifest's text or None)."""
+    import re
+
+    manifest = read_text(manifest_path, 1 << 24)
+    tree = None
+    if manifest is not None:
+        try:
+            tree = json.loads(manifest).get("tree")
+        except (ValueError, AttributeError):
+            tree = None
+    version = f"tree {tree}" if isinstance(tree, str) and re.match(r"^[0-9a-f]{1,128}$", tree) else (
+        f"unknown (no deploy manifest at {manifest_path})" if manifest is None else "tree unknown")
+    return version, manifest
 
 
 def logs_tail(args):
@@ -248,7 +277,6 @@ def launch(args):
 
 
 def _launch_locked(args, held, directory):
-    import re
     import subprocess
 
     lock = held[0]
@@ -264,19 +292,14 @@ def _launch_locked(args, held, directory):
             os.unlink(os.path.join(directory, stale))
         except OSError:
             pass
-    _write(os.path.join(directory, "launch.json"), args.get("launch", "{}") + "\n")
+    version, manifest = code_version(args.get("manifest") or "")
+    record = json.loads(args.get("launch") or "{}")
+    record["code_version"] = version
+    _write(os.path.join(directory, "launch.json"), json.dumps(record, indent=1) + "\n")
     _write(os.path.join(directory, "env"), args.get("env", "") + "\n")
     _write(os.path.join(directory, "config.given.yaml"), read_text(args["config"], 1 << 20) or "")
-    manifest = read_text(args.get("manifest") or "", 1 << 24)
-    tree = None
     if manifest is not None:
         _write(os.path.join(directory, "code_manifest.json"), manifest)
-        try:
-            tree = json.loads(manifest).get("tree")
-        except (ValueError, AttributeError):
-            tree = None
-    version = f"tree {tree}" if isinstance(tree, str) and re.match(r"^[0-9a-f]{1,128}$", tree) else (
-        f"unknown (no deploy manifest at {args.get('manifest')})" if manifest is None else "tree unknown")
     _write(os.path.join(directory, "code_version"), version + "\n")
     _write(os.path.join(directory, "run.sh"), WRAPPER)
     _write(os.path.join(runs, CURRENT + ".tmp"), name + "\n")
@@ -607,7 +630,8 @@ def clean_caches(args):
 
 
 VERBS = {"status": status, "logs-tail": logs_tail, "follow": follow, "metrics": metrics, "launch": launch,
-         "wait": wait, "stop": stop, "warmup": warmup, "clean-caches": clean_caches}
+         "wait": wait, "stop": stop, "warmup": warmup, "clean-caches": clean_caches,
+         "spec": spec}
 
 
 if __name__ == "__main__":

@@ -6,7 +6,10 @@ import signal
 import subprocess
 
 import pytest
+import yaml
 from training_runs import CT, LONG, QUICK, deployed  # noqa: F401 (deployed: the module's container)
+
+from dflash_ops.errors import ExitStatus
 
 pytestmark = pytest.mark.integration
 
@@ -96,3 +99,46 @@ def test_dev_shm_emptied_by_a_restart_is_refused_in_one_line_before_anything_exi
         assert not [p for p in deployed.processes() if "train_dflash" in p]
     finally:
         deployed.invoke("deploy", timeout=600)  # recreates the tiny target
+
+
+def test_a_run_resumed_by_its_name_alone_keeps_its_launchs_settings(deployed):
+    data = "/root/copy-of-train.jsonl"  # another file than the code's data/train.jsonl
+    deployed.container("cp", "/root/dflash/data/train.jsonl", data)
+    deployed.train("kept", "--set", f"data.train={data}", "--set", "train.max_steps=40")
+    deployed.invoke("stop", "--run", "kept")
+    resumed = deployed.invoke("train", "--run", "kept")  # the name alone
+    shown = resumed.stdout.splitlines()
+    assert shown[0].startswith("run kept: resuming with its saved spec: --config /root/dflash/"), shown
+    assert f"--set data.train={data} --set train.max_steps=40" in shown[0]
+    assert shown[1] == "  (nothing changed)"
+    assert "resumed from /root/runs/kept/checkpoints/step-" in deployed.run_file("kept", "train.log")
+    config = yaml.safe_load(deployed.run_file("kept", "config.yaml"))
+    assert (config["data"]["train"], config["train"]["max_steps"]) == (data, 40)
+    spec = deployed.status("kept")["spec"]
+    assert f"data.train={data}" in spec["sets"] and "train.max_steps=40" in spec["sets"]
+    assert spec["code_version"].startswith("tree ")
+    deployed.invoke("stop", "--run", "kept")
+
+    # other data for a run with checkpoints: a different run, refused until confirmed
+    other = deployed.invoke("train", "--run", "kept", "--set", "data.train=data/train.jsonl", check=False)
+    assert other.returncode == ExitStatus.PREFLIGHT, other
+    assert other.stderr.startswith(f"error: pve1/{CT}: preflight changed: run kept has checkpoints "
+                                   f"trained on other data or another target (data.train {data} -> "
+                                   "data/train.jsonl)"), other.stderr
+    confirmed = deployed.invoke("train", "--run", "kept", "--set", "data.train=data/train.jsonl",
+                                "--confirm-change")
+    assert f"  changed: --set data.train: {data} -> data/train.jsonl" in confirmed.stdout
+    assert yaml.safe_load(deployed.run_file("kept", "config.yaml"))["data"]["train"] == "data/train.jsonl"
+
+
+def test_max_steps_alone_continues_a_run_that_finished_its_schedule(deployed):
+    deployed.train("sched", "--set", "train.max_steps=2")
+    deployed.invoke("logs", "--follow", "--run", "sched", "-n", "0", timeout=300)  # returns when the run ends
+    st = deployed.status("sched")
+    assert (st["state"], st["step"]) == ("finished", 2)
+    more = deployed.invoke("train", "--run", "sched", "--max-steps", "3")  # no --set: the spec has them
+    assert "  changed: --max-steps: (train.max_steps) -> 3" in more.stdout
+    deployed.invoke("logs", "--follow", "--run", "sched", "-n", "0", timeout=300)
+    st = deployed.status("sched")
+    assert (st["state"], st["step"], st["spec"]["max_steps"]) == ("finished", 3, 3)
+    assert yaml.safe_load(deployed.run_file("sched", "config.yaml"))["train"]["max_steps"] == 3

@@ -152,9 +152,52 @@ def test_finished_run_is_refused_until_more_steps_are_asked(target, tmp_path, ca
     assert (code, result["check"]) == (2, "finished")
     assert result["error"] == ("run quick finished at step 500/500: give --max-steps N to continue, "
                                "or a new --run name")
-    code, result = check(args(target, str(run_dir), "--set", "train.max_steps=800", "--max-steps", "600"),
-                         capsys)
+    # --max-steps alone continues it (train.max_steps used to cap it: the same refusal again)
+    code, result = check(args(target, str(run_dir), "--max-steps", "600"), capsys)
     assert code == 0 and result["run"]["resume_step"] == 500 and result["run"]["stop_step"] == 600
+
+
+def test_max_steps_past_the_schedule_lengthens_it_and_shorter_keeps_it():
+    from train_config import cli_parser, config_from_args, stop_step
+
+    def config(*argv):
+        parsed = cli_parser("t").parse_args(["--config", TINY_CONFIG, *argv])
+        return config_from_args(parsed), parsed.max_steps
+
+    longer, max_steps = config("--max-steps", "700")
+    assert (longer.train.max_steps, stop_step(longer, max_steps)) == (700, 700)
+    shorter, max_steps = config("--max-steps", "3")
+    assert (shorter.train.max_steps, stop_step(shorter, max_steps)) == (500, 3)
+    default, max_steps = config()
+    assert (default.train.max_steps, stop_step(default, max_steps)) == (500, 500)
+
+
+def test_a_run_with_checkpoints_resumed_on_other_data_or_target_needs_allow_change(target, tmp_path, capsys):
+    run_dir = tmp_path / "runs" / "r1"
+    _finished_run(run_dir, 5)
+    other = tmp_path / "other.jsonl"
+    other.write_text(open(SHIPPED_TRAIN).read())
+    (run_dir / "config.yaml").write_text(f"target:\n  path: {target}\ndata:\n  train: data/train.jsonl\n"
+                                        "  heldout: data/heldout.jsonl\n")
+    same = args(target, str(run_dir), "--max-steps", "9")
+    code, result = check(same, capsys)
+    assert code == 0, result  # the same data and target (paths compared resolved)
+    code, result = check([*same, "--set", f"data.train={other}"], capsys)
+    assert (code, result["check"]) == (2, "changed")
+    assert result["error"] == (f"run r1 has checkpoints trained on other data or another target (data.train "
+                               f"data/train.jsonl -> {other}): resuming it on these makes a different run")
+    assert "--confirm-change" in result["fix"]
+    second = tmp_path / "second-target"  # another target: its tokenizer too
+    second.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (second / name).write_bytes(open(os.path.join(target, name), "rb").read())
+    code, result = check([*same, "--set", f"target.path={second}"], capsys)
+    assert (code, result["check"]) == (2, "changed")
+    assert f"target.path {target} -> {second}" in result["error"]
+    code, result = check([*same, "--set", f"data.train={other}", "--allow-change"], capsys)
+    assert code == 0, result
+    (run_dir / "config.yaml").unlink()  # nothing recorded: nothing to compare
+    assert check([*same, "--set", f"data.train={other}"], capsys)[0] == 0
 
 
 def test_too_little_free_space(target, tmp_path, capsys, monkeypatch):

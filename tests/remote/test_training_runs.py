@@ -53,32 +53,43 @@ def checkpoint_state(directory):
 SPEED_ON = ("train.autocast=bfloat16", "speed.param_dtype=bfloat16", "speed.fp8_lm_head=true")
 
 
-@pytest.mark.parametrize("speed", [(), SPEED_ON], ids=["plain", "speed-switches"])
-def test_resume_reaches_the_same_state_as_an_uninterrupted_run(tiny_target, tmp_path, speed):
-    """With speed.param_dtype=bfloat16 too: the fp32 master weights travel in the optimizer
-    state, so the resumed run continues from them, not from the checkpoint's bf16 weights."""
+@pytest.mark.parametrize("drafters, speed", [("cpu", ()), ("cpu,cpu,cpu", ()), ("cpu", SPEED_ON)],
+                         ids=["one-worker", "three-workers", "speed-switches"])
+def test_stopped_and_resumed_equals_an_uninterrupted_run_bit_for_bit(tiny_target, tmp_path, drafters, speed):
+    """A resume gives every worker its own optimizer and scheduler state: stopped at step 3 and
+    resumed to 6, the workers make exactly the losses, weights and optimizer state of a run that
+    went straight to 6, and their replicas stay one model at every checkpoint (three workers on one
+    device shared the restored state once, and drifted apart). With speed.param_dtype=bfloat16 too:
+    the fp32 master weights travel in the optimizer state, so the resumed run continues from them,
+    not from the checkpoint's bf16 weights."""
     interrupted, straight = str(tmp_path / "interrupted"), str(tmp_path / "straight")
-    for run_dir, stop in ((interrupted, 3), (interrupted, 5), (straight, 5)):
-        result = run_script("train_dflash.py", *tiny_args(tiny_target, run_dir, *QUICK, *speed),
-                            "--max-steps", str(stop))
+    for run_dir, stop in ((interrupted, 3), (interrupted, 6), (straight, 6)):
+        result = run_script("train_dflash.py", *tiny_args(tiny_target, run_dir, *QUICK, "train.save_every=1",
+                                                          *speed),
+                            "--drafter-devices", drafters, "--max-steps", str(stop))
         assert result.returncode == 0, result.stderr[-3000:]
-    assert "resumed from" in open(os.path.join(interrupted, "train.log")).read()
-    resumed_losses = {r["step"]: r["loss"] for r in read_metrics(interrupted, "train")}
-    straight_losses = {r["step"]: r["loss"] for r in read_metrics(straight, "train")}
-    assert sorted(resumed_losses) == sorted(straight_losses) == [1, 2, 3, 4, 5]
-    assert resumed_losses == straight_losses  # step 4, the first after resuming, included
+    log = open(os.path.join(interrupted, "train.log")).read()
+    assert "resumed from" in log and "REPLICAS DIFFER" not in log
+    resumed = {r["step"]: r["worker_loss"] for r in read_metrics(interrupted, "train")}
+    uninterrupted = {r["step"]: r["worker_loss"] for r in read_metrics(straight, "train")}
+    assert sorted(resumed) == sorted(uninterrupted) == [1, 2, 3, 4, 5, 6]
+    assert resumed == uninterrupted  # every worker's loss, bit for bit (step 4, the first resumed, too)
+    for run_dir in (interrupted, straight):
+        saved = read_metrics(run_dir, "checkpoint")
+        assert [r["step"] for r in saved] == [1, 2, 3, 4, 5, 6]
+        assert [r["replica_max_abs_diff"] for r in saved] == [0.0] * 6
 
     weights_a, state_a = checkpoint_state(checkpoints.latest_checkpoint(interrupted))
     weights_b, state_b = checkpoint_state(checkpoints.latest_checkpoint(straight))
-    assert state_a["step"] == state_b["step"] == 5
+    assert state_a["step"] == state_b["step"] == 6
     assert weights_a.keys() == weights_b.keys()
     assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
     opt_a, opt_b = state_a["optimizer"]["state"], state_b["optimizer"]["state"]
+    assert opt_a.keys() == opt_b.keys()
     for index in opt_a:
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(opt_a[index][key], opt_b[index][key])
-    assert state_a["scheduler"] == state_b["scheduler"]
-    assert state_a["sampler"] == state_b["sampler"]
+    assert state_a["scheduler"] == state_b["scheduler"] and state_a["sampler"] == state_b["sampler"]
     masters = state_a["optimizer"].get("master_weights")
     assert (masters is not None) == bool(speed)
     if masters is not None:
@@ -239,37 +250,4 @@ def test_the_first_step_of_every_launch_is_logged_in_the_line_the_launch_waits_f
         assert steps and steps[0][0] > ready, lines
         assert f" INFO step {first}/{stop} | loss " in steps[0][1], steps[0][1]
         assert [line.split(" INFO step ")[1].split("/")[0] for _, line in steps] == [str(first), str(stop)]
-
-
-def test_three_workers_stopped_and_resumed_equal_an_uninterrupted_run_bit_for_bit(tiny_target, tmp_path):
-    """A resume gives every worker its own optimizer and scheduler state: stopped at step 3 and
-    resumed to 6, three CPU workers make exactly the losses, weights and optimizer state of a run
-    that went straight to 6, and their replicas stay one model at every checkpoint."""
-    interrupted, straight = str(tmp_path / "interrupted"), str(tmp_path / "straight")
-    for run_dir, stop in ((interrupted, 3), (interrupted, 6), (straight, 6)):
-        result = run_script("train_dflash.py", *tiny_args(tiny_target, run_dir, *QUICK, "train.save_every=1"),
-                            "--drafter-devices", "cpu,cpu,cpu", "--max-steps", str(stop))
-        assert result.returncode == 0, result.stderr[-3000:]
-    log = open(os.path.join(interrupted, "train.log")).read()
-    assert "resumed from" in log and "REPLICAS DIFFER" not in log
-    resumed = {r["step"]: r["worker_loss"] for r in read_metrics(interrupted, "train")}
-    uninterrupted = {r["step"]: r["worker_loss"] for r in read_metrics(straight, "train")}
-    assert sorted(resumed) == sorted(uninterrupted) == [1, 2, 3, 4, 5, 6]
-    assert resumed == uninterrupted  # every worker's loss, bit for bit
-    for run_dir in (interrupted, straight):
-        saved = read_metrics(run_dir, "checkpoint")
-        assert [r["step"] for r in saved] == [1, 2, 3, 4, 5, 6]
-        assert [r["replica_max_abs_diff"] for r in saved] == [0.0] * 6
-
-    weights_a, state_a = checkpoint_state(checkpoints.latest_checkpoint(interrupted))
-    weights_b, state_b = checkpoint_state(checkpoints.latest_checkpoint(straight))
-    assert state_a["step"] == state_b["step"] == 6
-    assert weights_a.keys() == weights_b.keys()
-    assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
-    opt_a, opt_b = state_a["optimizer"]["state"], state_b["optimizer"]["state"]
-    assert opt_a.keys() == opt_b.keys()
-    for index in opt_a:
-        for key in ("exp_avg", "exp_avg_sq", "step"):
-            assert torch.equal(opt_a[index][key], opt_b[index][key])
-    assert state_a["scheduler"] == state_b["scheduler"] and state_a["sampler"] == state_b["sampler"]
 

@@ -81,6 +81,16 @@ def test_list_reads_every_run_newest_first(runs, alive_run):
         (8, 1.5, 2.25, "step-2", 2)
     assert [c["name"] for c in mid["checkpoints"]] == ["step-2", "step-4", "step-6", "step-8"]
     assert mid["duration_s"] == 60 and mid["bytes"] >= 4 * 4096
+    assert mid["spec"] is None  # no launch.json
+
+
+def test_list_shows_each_runs_spec(runs):
+    spec = {"config": "/root/dflash/configs/tiny-cpu.yaml", "sets": ["data.train=/root/d.jsonl"],
+            "max_steps": 3000, "code_version": "tree abc"}
+    (runs / "new" / "launch.json").write_text(json.dumps(spec, indent=1) + "\n")
+    (runs / "old1" / "launch.json").write_text("{cut")
+    records = {r["name"]: r for r in ch.list_runs(args(runs))["runs"]}
+    assert records["new"]["spec"] == spec and records["old1"]["spec"] is None
 
 
 def test_prune_plan_keeps_the_newest_the_alive_run_and_each_latest_checkpoint(runs, alive_run):

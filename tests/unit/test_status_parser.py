@@ -293,3 +293,20 @@ def test_replicas_that_differ_at_the_last_checkpoint_are_shown():
     assert parse_status(status_answer(FINISHED)).replicas_differ is None  # identical: no row
     healed = FINISHED.replace("end\n", differ + differ.replace("35", "40").replace("0.053", "0.0") + "end\n")
     assert parse_status(status_answer(healed)).replicas_differ is None  # the last checkpoint counts
+
+
+def test_the_runs_spec_is_in_the_json_and_only_of_its_types():
+    reply = json.loads(status_answer(FINISHED))
+    answer = reply["ok"]
+    answer["spec"] = {"config": "/root/dflash/configs/tiny-cpu.yaml", "max_steps": 3000,
+                      "sets": ["data.train=/root/data/train.jsonl", 5, "train.max_steps=3000"],
+                      "devices": {"target": "cuda:0", "drafter": ["x"]}, "code_version": "tree abc",
+                      "argv": ["not", "kept"]}
+    st = parse_status(json.dumps(reply) + "\n")
+    assert json.loads(st.to_json())["spec"] == {
+        "config": "/root/dflash/configs/tiny-cpu.yaml", "max_steps": 3000,
+        "sets": ["data.train=/root/data/train.jsonl", "train.max_steps=3000"],
+        "devices": {"target": "cuda:0", "drafter": None}, "inventory_sets": [], "code_version": "tree abc",
+        "launched_at": None, "launched_by": None}
+    answer["spec"] = "junk"
+    assert parse_status(json.dumps(reply) + "\n").spec is None

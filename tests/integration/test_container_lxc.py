@@ -71,7 +71,7 @@ def test_a_running_training_is_a_process_of_lxc_and_followed_through_lxc_attach(
         small.wait_for("an lxc-attach of logs --follow", lambda: [
             p for p in os.listdir("/proc") if p.isdigit() and _cmdline(p).startswith(
                 f"/usr/bin/lxc-attach -P {run} -n {CT} --keep-env -- ")
-            and "-F --pid" in _cmdline(p)], timeout=60, every=0.2)
+            and " follow {" in _cmdline(p)], timeout=60, every=0.2)
     finally:
         follow.kill()
         follow.wait()

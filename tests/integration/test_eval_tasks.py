@@ -66,7 +66,7 @@ def test_eval_writes_eval_json_lossless_with_acceptance_above_one(trained):
 def test_metrics_table_and_plot(trained, tmp_path):
     png = tmp_path / "run.png"
     out = trained.invoke("metrics", "--run", RUN, "-n", "3", "--plot", str(png)).stdout
-    assert "last 3 of 4 logged steps" in out
+    assert "last 3 of 5 logged steps" in out  # steps 1 (every launch logs its first), 5, 10, 15, 20
     rows = [line.split() for line in out.splitlines()]
     assert [r[0] for r in rows if r and r[0].isdigit()] == ["10", "15", "20"]
     assert f"plot: {png}" in out

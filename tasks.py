@@ -382,9 +382,9 @@ def clean_cache(t, force=False, ct=None, group=None, dry_run=False, inventory=No
     The directories are the inventory's `paths.caches`. Refused while a run is alive (it holds
     the runs lock and uses the caches) unless --force; the next warm-up fills them again.
     """
-    from dflash_ops import caches
+    from dflash_ops import history
 
-    return caches.clean_cache(t, force=force)
+    return history.clean_cache(t, force=force)
 
 
 # --- the trained drafter: eval, regenerate, metrics, fetch ----------------------------------------

@@ -91,9 +91,9 @@ def show(result) -> None:
     """THE output of a task: print what it returned, then raise its `error` if it has one (doctor:
     the table first, then exit 1; a fan-out: the rows, then exit 8).
 
-    `describe()` is text (shown visibly: results quote the container) or a rich renderable; an
-    `aside()` (a fan-out's table beside `status --json`'s JSON) goes to stderr first. A result may
-    carry `exit_with` (status --check: the monitoring-plugin code) instead of an error.
+    `describe()` is text (shown visibly: results quote the container), a rich renderable or a list
+    of both; an `aside()` (a fan-out's table beside `status --json`'s JSON) goes to stderr first.
+    A result may carry `exit_with` (status --check: the monitoring-plugin code) instead of an error.
     """
     if result is None:
         return
@@ -125,9 +125,12 @@ class Changed:
 
 
 def _print(text, stderr: bool = False, width: int | None = 240) -> None:
-    """Text visibly, a renderable through rich; on a pipe, `width` columns (a result's `pipe_width`;
-    None: rich's own choice, $COLUMNS or 80)."""
-    if isinstance(text, str):
+    """Text visibly, a renderable through rich, a list part by part; on a pipe, `width` columns (a
+    result's `pipe_width`; None: rich's own choice, $COLUMNS or 80)."""
+    if isinstance(text, list):
+        for part in text:
+            _print(part, stderr, width)
+    elif isinstance(text, str):
         if text:
             print(terminal.visible(text, newlines=True), file=sys.stderr if stderr else sys.stdout)
     elif text is not None:

@@ -561,13 +561,9 @@ class GroupLaunch:
     stopped: int = 0
     pipe_width = None  # on a pipe: $COLUMNS or 80 columns, as rich chooses
 
-    def describe(self):
-        from rich.console import Group
-
-        table = self.rows.describe()
-        if not self.stopped:
-            return table
-        return Group(table, f"stopped the {self.stopped} node(s) that started, so none waits for the others")
+    def describe(self) -> list:
+        stopped = [f"stopped the {self.stopped} node(s) that started, so none waits for the others"]
+        return [self.rows.describe(), *(stopped if self.stopped else [])]
 
     @property
     def error(self):

@@ -169,17 +169,11 @@ class Shown:
     plotted: str | None = None
     pipe_width = None  # on a pipe: $COLUMNS or 80 columns, as rich chooses
 
-    def describe(self):
-        from rich.console import Group
-        from rich.text import Text
-
-        parts = [table(self.metrics, self.n)]
+    def describe(self) -> list:
+        """The table (rich), then text lines (printed as they are: never wrapped at the width)."""
         summary = eval_summary(self.metrics)
-        if summary:
-            parts.append(Text(terminal.visible(summary, newlines=True)))
-        if self.plotted:
-            parts.append(Text(f"plot: {terminal.visible(self.plotted)}"))
-        return Group(*parts)
+        return [table(self.metrics, self.n), *([summary] if summary else []),
+                *([f"plot: {self.plotted}"] if self.plotted else [])]
 
     def row(self) -> str:
         return f"run {self.metrics.run}: {len(self.metrics.train)} logged steps"

@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 from dflash_ops import sandbox as sandbox_mod
+from dflash_ops.errors import ExitStatus
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -46,7 +47,7 @@ def build_template(out: Path, bring_up):
     try:
         argv = [str(REPO / ".venv/bin/invoke"), "deploy", "--inventory", str(sb.inventory), "--ct", "200"]
         r = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=900)
-        assert r.returncode == 0, (f"template deploy: exit {r.returncode}\n"
+        assert r.returncode == ExitStatus.OK, (f"template deploy: exit {r.returncode}\n"
                                    f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
         # The deploy's pip writes no bytecode (deploy.VENV_SCRIPT): compile the venv once here, or
         # every container seeded from it would compile what its runs import. Exit status not checked:

@@ -10,7 +10,7 @@ Everything read from a run directory is data, read through the prelude's bounded
 sent back inside JSON strings, so a log line holding `\r` or a fake fact stays a string of that
 log line. Shell remains only where a process must outlive the session: the run wrapper (WRAPPER
 below, written to `run.sh`). The local side is launch.py / status.py / logs.py / metrics.py /
-caches.py.
+history.py.
 
 The runs lock, run_alive, resolve_run and run_state are the prelude's.
 """

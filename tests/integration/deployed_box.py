@@ -14,6 +14,7 @@ from parallel import worker
 
 from dflash_ops import deploy
 from dflash_ops import sandbox as sandbox_mod
+from dflash_ops.errors import ExitStatus
 from dflash_ops.inventory import load_inventory
 from dflash_ops.target import Target
 from dflash_ops.transport import HostSession
@@ -95,7 +96,7 @@ def deployed_box(sandbox_factory, tmp_path_factory) -> Box:
     b = box(sandbox_factory, tmp_path_factory)
     if b.deployed is None:
         b.deployed = b.invoke("deploy", timeout=900)
-        assert b.deployed.returncode == 0, b.deployed.stdout + b.deployed.stderr
+        assert b.deployed.returncode == ExitStatus.OK, b.deployed.stdout + b.deployed.stderr
     return b
 
 
@@ -104,5 +105,5 @@ def seeded_box(sandbox_factory, tmp_path_factory, template) -> Box:
     b = Box(sandbox_factory(**LAYOUT), deploy.snapshot_checkout(tmp_path_factory.mktemp("checkout")))
     seed(template, b.sandbox)
     b.deployed = b.invoke("deploy", timeout=900)
-    assert b.deployed.returncode == 0, b.deployed.stdout + b.deployed.stderr
+    assert b.deployed.returncode == ExitStatus.OK, b.deployed.stdout + b.deployed.stderr
     return b

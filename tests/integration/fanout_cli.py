@@ -9,6 +9,8 @@ from pathlib import Path
 
 from waiting import wait_for
 
+from dflash_ops.errors import ExitStatus
+
 REPO = Path(__file__).resolve().parents[2]
 ROW = re.compile(r"^[\s│┃]*(pve\d/\d+)[\s│┃]+(yes|NO)[\s│┃]+(.*?)[\s│┃]*$")  # a rich table row
 
@@ -17,7 +19,7 @@ class Cli:
     def __init__(self, sandbox):
         self.sandbox = sandbox
 
-    def __call__(self, *args, code=0, timeout=600, inventory=None) -> subprocess.CompletedProcess:
+    def __call__(self, *args, code=ExitStatus.OK, timeout=600, inventory=None) -> subprocess.CompletedProcess:
         env = {**os.environ, "COLUMNS": "400"}  # rich: one table row per line
         inventory = inventory or str(self.sandbox.inventory)
         r = subprocess.run([sys.executable, "-m", "invoke", *args, "--inventory", inventory],

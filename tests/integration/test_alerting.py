@@ -16,6 +16,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from training_runs import LONG, REPO, deployed  # noqa: F401 (deployed: the module's container)
 
+from dflash_ops.errors import ExitStatus
+from dflash_ops.oncall import monitoring
 from dflash_ops.remote.readings import human_bytes
 
 pytestmark = pytest.mark.integration
@@ -68,7 +70,7 @@ def test_check_and_watch_a_run_through_stall_resume_and_crash(deployed):
     d.train("victim", *LONG)
     d.wait_for("the first step", lambda: d.status("victim")["step"], every=2.0)
     code, line = check(d)
-    assert code == 0 and line.startswith("OK - pve1/200: run victim running, step "), line
+    assert code == monitoring.OK and line.startswith("OK - pve1/200: run victim running, step "), line
     assert " | step=" in line and " tok_s=" in line and " free_shm=" in line
 
     watch = subprocess.Popen(watch_argv(d, "victim", "--stall-after", "6", "--hang-after", "100000",
@@ -79,10 +81,10 @@ def test_check_and_watch_a_run_through_stall_resume_and_crash(deployed):
         d.container("kill", "-STOP", "--", f"-{pgid(d, 'victim')}")  # the whole run: wrapper and trainer
         d.wait_for("the stalled event", lambda: "stalled" in hook.kinds(), every=1.0)
         code, line = check(d, "--stall-after", "2")
-        assert code == 1 and line.startswith("WARNING - pve1/200: run victim stalled: no new log "
-                                             "line or metric"), line
+        assert code == monitoring.WARNING
+        assert line.startswith("WARNING - pve1/200: run victim stalled: no new log line or metric"), line
         code, line = check(d, "--stall-after", "2", "--hang-after", "3")
-        assert code == 2 and line.startswith("CRITICAL - pve1/200: run victim hung:"), line
+        assert code == monitoring.CRITICAL and line.startswith("CRITICAL - pve1/200: run victim hung:"), line
 
         d.container("kill", "-CONT", "--", f"-{pgid(d, 'victim')}")
         d.wait_for("the recovered event", lambda: "recovered" in hook.kinds(), every=1.0)
@@ -92,7 +94,7 @@ def test_check_and_watch_a_run_through_stall_resume_and_crash(deployed):
         watch.kill()
     print(f"watch: exit {watch.returncode}\n{out}{err}"
           + "".join(f"received: {json.dumps(b)}\n" for b in hook.bodies))
-    assert watch.returncode == 6, out + err  # the run crashed
+    assert watch.returncode == ExitStatus.RUN_STATE, out + err  # the run crashed
     kinds = hook.kinds()
     assert kinds[0] == "watching" and kinds[-1] == "crashed", kinds
     assert kinds.index("stalled") < kinds.index("recovered"), kinds
@@ -104,8 +106,8 @@ def test_check_and_watch_a_run_through_stall_resume_and_crash(deployed):
     assert not any(s in out + err for s in SECRET_URL_PARTS)
     assert "error: run victim on pve1/200 crashed" in err
     code, line = check(d)
-    assert code == 2 and line.startswith("CRITICAL - pve1/200: run victim crashed: killed by signal "
-                                         "9 (SIGKILL)")
+    assert code == monitoring.CRITICAL
+    assert line.startswith("CRITICAL - pve1/200: run victim crashed: killed by signal 9 (SIGKILL)")
 
 
 def test_finished_run_is_ok_and_its_prometheus_text_parses(deployed, tmp_path):
@@ -113,9 +115,10 @@ def test_finished_run_is_ok_and_its_prometheus_text_parses(deployed, tmp_path):
     d.train("tiny", "--max-steps", "3")
     d.wait_for_file("tiny", "exit_code")
     code, line = check(d, run="tiny")
-    assert code == 0 and line.startswith("OK - pve1/200: run tiny finished (exit 0), step 3"), line
+    assert code == monitoring.OK, line
+    assert line.startswith("OK - pve1/200: run tiny finished (exit 0), step 3"), line
     code, line = check(d, "--min-free", "1000T", run="tiny")
-    assert (code == 1 and "low space: " in line
+    assert (code == monitoring.WARNING and "low space: " in line
             and "free on the runs dir (threshold 1024000.0 GiB)" in line), line
 
     prom = tmp_path / "dflash.prom"
@@ -145,17 +148,18 @@ def test_host_down_host_key_refused_and_bad_flags(deployed, tmp_path):
     down = tmp_path / "down.yaml"
     down.write_text(inventory.replace(f"port: {d.sandbox.port}", "port: 9"))
     code, line = check(d, run="tiny", inventory=str(down))
-    assert code == 3 and line.startswith("UNKNOWN - pve1/200: cannot reach") and "127.0.0.1:9" in line, line
+    assert code == monitoring.UNKNOWN, line
+    assert line.startswith("UNKNOWN - pve1/200: cannot reach") and "127.0.0.1:9" in line, line
     (tmp_path / "known_hosts").write_text("")
     refused = tmp_path / "refused.yaml"
     refused.write_text(inventory.replace(str(d.sandbox.known_hosts), str(tmp_path / "known_hosts")))
     code, line = check(d, run="tiny", inventory=str(refused))
-    assert code == 3 and line.startswith("UNKNOWN - pve1/200: ") and "host key" in line, line
+    assert code == monitoring.UNKNOWN and line.startswith("UNKNOWN - pve1/200: ") and "host key" in line, line
     r = d.invoke("status", "--prometheus", str(tmp_path / "no-such-dir" / "dflash.prom"), check=False)
-    assert (r.returncode, r.stdout) == (2, "") and r.stderr.strip() == (
+    assert (r.returncode, r.stdout) == (ExitStatus.USAGE, "") and r.stderr.strip() == (
         f"error: --prometheus {tmp_path}/no-such-dir/dflash.prom: cannot write it: No such file or directory")
     code, line = check(d, "--min-free", "banana", run="tiny")
-    assert code == 3
+    assert code == monitoring.UNKNOWN
     assert line == "UNKNOWN - --min-free 'banana': expected a size such as 10G, 512M or a number of bytes"
     for argv, said in ((("prune", "--keep", "0"),
                         "--keep 0: keep at least 1 run (the newest); the alive run is always kept"),
@@ -163,7 +167,7 @@ def test_host_down_host_key_refused_and_bad_flags(deployed, tmp_path):
                         "--older-than 'banana': expected an age such as 7d, 12h, 30m or 2w")):
         r = d.invoke(*argv, check=False)
         print(f"{' '.join(argv)}: exit {r.returncode}: {r.stderr.strip()}")
-        assert (r.returncode, r.stdout, r.stderr) == (2, "", f"error: {said}\n")
+        assert (r.returncode, r.stdout, r.stderr) == (ExitStatus.USAGE, "", f"error: {said}\n")
 
 
 def test_unreachable_webhook_is_retried_reported_and_the_watch_goes_on(deployed, tmp_path):
@@ -184,7 +188,7 @@ def test_unreachable_webhook_is_retried_reported_and_the_watch_goes_on(deployed,
     finally:
         watch.kill()
     print(f"watch: exit {watch.returncode}\n{out}{err}")
-    assert watch.returncode == 0, out + err
+    assert watch.returncode == ExitStatus.OK, out + err
     assert [json.loads(x)["event"] for x in seen.read_text().splitlines()] == ["watching", "stopped"]
     assert out.splitlines()[-1].split(" ", 2)[1] == "stopped:"
     shown = f"webhook http://127.0.0.1:{port}/***"
@@ -203,7 +207,7 @@ def counted(d, *args):
     """`invoke ARGS` with DFLASH_OPS_STATS=1: (result, its ssh stats lines)."""
     r = subprocess.run(d.invoke_argv(*args), cwd=REPO, capture_output=True, text=True, timeout=120,
                        env={**os.environ, "DFLASH_OPS_STATS": "1"})
-    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.returncode == ExitStatus.OK, r.stdout + r.stderr
     return r, [line for line in r.stderr.splitlines() if line.startswith("ssh stats:")]
 
 
@@ -267,7 +271,7 @@ def test_ctrl_c_ends_the_watch_cleanly_and_the_run_goes_on(deployed, tmp_path):
         out, err = watch.communicate(timeout=60)
     finally:
         watch.kill()
-    assert watch.returncode == 0 and err == "", out + err
+    assert watch.returncode == ExitStatus.OK and err == "", out + err
     assert out.splitlines()[-1] == "stopped watching; the run goes on"
     assert json.loads(seen.read_text().splitlines()[0])["event"] == "watching"  # `sh -c` given by the user
     assert d.status("watched")["state"] == "running"
@@ -298,6 +302,6 @@ def test_a_lost_host_is_an_event_and_the_watch_goes_on_until_the_run_ends(deploy
         out, err = watch.communicate(timeout=120)
     finally:
         watch.kill()
-    assert watch.returncode == 0, out + err
+    assert watch.returncode == ExitStatus.OK, out + err
     assert kinds() == ["watching", "unreachable", "reachable", "stopped"], out
     assert "cannot read the run's facts: " in out and "pve1" in out

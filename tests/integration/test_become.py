@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from dflash_ops import transport
-from dflash_ops.errors import AuthFailed
+from dflash_ops.errors import AuthFailed, ExitStatus
 from dflash_ops.inventory import load_inventory
 
 pytestmark = pytest.mark.integration
@@ -86,7 +86,9 @@ def test_a_sudo_that_wants_a_password_is_one_line_and_exit_3(host, tmp_path):
     assert f"sudo wants a password for user {PASSWORD}" in str(err.value) and "NOPASSWD" in str(err.value)
     r = invoke("status", "--inventory", inventory, "--ct", str(CT))  # the CLI: bounded by the timeout
     lines = r.stderr.strip().splitlines()
-    assert r.returncode == 3 and len(lines) == 1 and lines[0].startswith("error: "), (r.returncode, r.stderr)
+    assert r.returncode == ExitStatus.UNREACHABLE, (r.returncode, r.stderr)
+    assert len(lines) == 1 and lines[0].startswith("error: "), (r.returncode, r.stderr)
     assert "sudo wants a password" in lines[0]
     r = invoke("doctor", "--inventory", inventory, "--ct", str(CT))
-    assert r.returncode == 1 and "FAIL" in r.stdout and "allow pct in sudoers without a password" in r.stdout
+    assert r.returncode == ExitStatus.CHECK_FAILED
+    assert "FAIL" in r.stdout and "allow pct in sudoers without a password" in r.stdout

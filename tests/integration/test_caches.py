@@ -6,6 +6,8 @@ import pytest
 import waiting
 from deployed_box import box as make_box
 
+from dflash_ops.errors import ExitStatus
+
 pytestmark = pytest.mark.integration
 
 FILL = ('set -e; mkdir -p /root/.cache/dflash/inductor/fx /root/.cache/dflash/triton; '
@@ -46,7 +48,7 @@ def live_run(box):
 def test_frees_each_cache_and_reports_bytes_then_finds_nothing(box):
     box.sh(FILL)
     r = box.invoke("clean-cache")
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == ExitStatus.OK, r.stderr
     lines = {ln.split()[0]: ln for ln in r.stdout.splitlines() if ln.strip()}
     assert "293.0 KiB" in lines["inductor"] and "1 files" in lines["inductor"]
     assert "4.9 KiB" in lines["triton"]
@@ -54,25 +56,25 @@ def test_frees_each_cache_and_reports_bytes_then_finds_nothing(box):
     assert "freed 297.9 KiB (305000 bytes) in 2 files" in r.stdout
     assert box.sh("ls /root/.cache/dflash", check=False).stdout.split() == []
     again = box.invoke("clean-cache")
-    assert again.returncode == 0 and "freed 0 B (0 bytes) in 0 files" in again.stdout
+    assert again.returncode == ExitStatus.OK and "freed 0 B (0 bytes) in 0 files" in again.stdout
 
 
 def test_refused_while_a_run_is_alive_and_force_overrides(box, live_run):
     box.sh(FILL)
     refused = box.invoke("clean-cache")
-    assert refused.returncode == 6
+    assert refused.returncode == ExitStatus.RUN_STATE
     assert "error: run 'fake-run' is alive on pve1/200" in refused.stderr and "--force" in refused.stderr
     assert box.container("test", "-f", "/root/.cache/dflash/inductor/fx/graph.bin",
                          check=False).returncode == 0
     forced = box.invoke("clean-cache", "--force")
-    assert forced.returncode == 0, forced.stderr
+    assert forced.returncode == ExitStatus.OK, forced.stderr
     assert "freed 297.9 KiB (305000 bytes)" in forced.stdout
     assert box.container("test", "-e", "/root/.cache/dflash/inductor", check=False).returncode != 0
 
 
 def test_dry_run_prints_one_line(box):
     r = box.invoke("clean-cache", "--dry-run")
-    assert r.returncode == 0
+    assert r.returncode == ExitStatus.OK
     (line,) = r.stdout.splitlines()
     argv = shlex.split(line)
     assert argv[:6] == ["env", "LC_ALL=C.UTF-8", str(box.sandbox.pct), "exec", "200", "--"]

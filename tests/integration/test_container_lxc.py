@@ -11,6 +11,7 @@ import pytest
 from training_runs import CT, LONG, QUICK, deploy
 
 from dflash_ops import sandbox as sandbox_mod
+from dflash_ops.errors import ExitStatus
 
 pytestmark = pytest.mark.integration
 
@@ -34,7 +35,7 @@ def small(sandbox_factory, template):
 
 def test_a_run_over_the_containers_memory_limit_is_reported_as_killed_by_it(small):
     r = small.invoke("train", "--run", "big", *QUICK, *TOO_BIG, check=False)
-    assert r.returncode != 0 and "crashed" in r.stderr, r
+    assert r.returncode != ExitStatus.OK and "crashed" in r.stderr, r
     st = small.status("big")
     assert (st["state"], st["exit_code"]) == ("crashed", "signal 9"), st
     assert st["detail"] == ("killed by signal 9 (SIGKILL), likely out of memory: the container's OOM killer "

@@ -15,7 +15,7 @@ from deployed_box import deployed_box
 from waiting import wait_for
 
 from dflash_ops import deploy
-from dflash_ops.errors import RemoteCommandFailed
+from dflash_ops.errors import ExitStatus, RemoteCommandFailed
 from dflash_ops.remote import facts as container_facts
 from dflash_ops.remote import ship
 
@@ -75,7 +75,7 @@ def test_second_deploy_sends_nothing_changes_nothing_and_imports_no_torch(counte
     box = counted
     before, recorded = box.snapshot(), record(box)
     r = box.invoke("deploy", env={"DFLASH_OPS_STATS": "1"})
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == ExitStatus.OK, r.stderr
     numbers = deploy.parse_describe(r.stdout)
     assert numbers["files_sent"] == 0 and numbers["bytes_sent"] == 0 and numbers["round_trips"] == 1
     assert "ssh stats: pve1: 1 connection(s), 1 round trip(s)" in r.stderr
@@ -89,7 +89,7 @@ def test_second_deploy_sends_nothing_changes_nothing_and_imports_no_torch(counte
 def test_the_torch_check_runs_again_for_check_new_gpus_or_new_requirements(counted, tmp_path):
     box = counted
     forced = box.invoke("deploy", "--check")
-    assert forced.returncode == 0, forced.stderr
+    assert forced.returncode == ExitStatus.OK, forced.stderr
     assert "recorded check" not in forced.stdout and "checked)" in forced.stdout
     assert box.venv_starts() == 1
     # Another GPU set (the visibility variable the container's processes get): checked again, once.
@@ -99,17 +99,17 @@ def test_the_torch_check_runs_again_for_check_new_gpus_or_new_requirements(count
     other_gpus.write_text(yaml.safe_dump(data))
     for starts in (2, 2):
         r = box.invoke("deploy", inventory=str(other_gpus))
-        assert r.returncode == 0, r.stderr
+        assert r.returncode == ExitStatus.OK, r.stderr
         assert box.venv_starts() == starts
     assert record(box)[0]["key"]["gpus"]["visible"] == {"CUDA_VISIBLE_DEVICES": "0"}
     back = box.invoke("deploy")
-    assert back.returncode == 0 and "checked)" in back.stdout and box.venv_starts() == 3
+    assert back.returncode == ExitStatus.OK and "checked)" in back.stdout and box.venv_starts() == 3
     # The venv built from other requirements: pip refreshes it, then torch is checked again.
     stamp = f"/root/venv/{container_facts.REQUIREMENTS_STAMP}"
     want = box.container("cat", stamp).stdout.strip()
     box.sh(f"echo other > {stamp}")
     r = box.invoke("deploy")
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == ExitStatus.OK, r.stderr
     assert "venv: refreshing /root/venv" in r.stdout and "checked)" in r.stdout
     assert record(box)[0]["key"]["requirements"] == want
 
@@ -132,7 +132,7 @@ def test_pip_and_the_tiny_target_build_stream_through_the_terminal_filter(box):
         box.sh("rm -f /root/venv/lib/python3*/site-packages/zz-hostile.pth; "
                "if [ -d /dev/shm/tiny-qwen3.keep ]; then rm -rf /dev/shm/tiny-qwen3; "
                "mv /dev/shm/tiny-qwen3.keep /dev/shm/tiny-qwen3; fi")
-    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.returncode == ExitStatus.OK, r.stdout + r.stderr
     assert "venv: refreshing /root/venv" in r.stdout and "model: creating the tiny target" in r.stdout
     both = r.stdout + r.stderr
     assert "\x1b" not in both and "\x07" not in both, both[-3000:]
@@ -148,13 +148,13 @@ def test_one_changed_file_sends_one_file(box):
         r = box.invoke("deploy")
     finally:
         edited.write_text(original)
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == ExitStatus.OK, r.stderr
     numbers = deploy.parse_describe(r.stdout)
     assert numbers["files_sent"] == 1 and 0 < numbers["bytes_sent"] < 20_000
     assert "1 changed, 0 deleted" in r.stdout and "venv: up to date" in r.stdout
     assert "# deployed by test_one" in box.container("cat", "/root/dflash/train_config.py").stdout
     back = box.invoke("deploy")
-    assert back.returncode == 0 and deploy.parse_describe(back.stdout)["files_sent"] == 1
+    assert back.returncode == ExitStatus.OK and deploy.parse_describe(back.stdout)["files_sent"] == 1
     assert box.container("cat", "/root/dflash/train_config.py").stdout == original
 
 
@@ -178,7 +178,7 @@ def test_a_failed_or_short_push_is_one_line_and_changes_nothing(box, tmp_mount, 
         box.container("umount", "/tmp", check=False)
         ballast.unlink()
     lines = r.stderr.strip().splitlines()
-    assert r.returncode == 5 and len(lines) == 1, (r.returncode, r.stderr)
+    assert r.returncode == ExitStatus.REMOTE_FAILED and len(lines) == 1, (r.returncode, r.stderr)
     m = re.fullmatch(r"error: pve1/200: pct push of the release tarball \(([0-9]+) bytes\) (.*)nothing "
                      r"changed in "
                      r"the container", lines[0])
@@ -235,7 +235,7 @@ def test_dry_run_prints_the_lines_and_connects_to_nothing(box, tmp_path):
     inventory = tmp_path / "unreachable.yaml"
     inventory.write_text(yaml.safe_dump(data))
     r = box.invoke("deploy", "--dry-run", inventory=str(inventory))
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == ExitStatus.OK, r.stderr
     lines = r.stdout.splitlines()
     pct = "env LC_ALL=C.UTF-8 " + data["hosts"]["pve1"]["pct"]  # commands.pct_argv
     assert lines[0].startswith(f"{pct} exec 200 -- sh -c ") and " dflash-session env -i -- " in lines[0]

@@ -4,6 +4,8 @@ right red line otherwise."""
 import pytest
 from deployed_box import seeded_box
 
+from dflash_ops.errors import ExitStatus
+
 pytestmark = pytest.mark.integration
 CHECKS = ("host reachable", "container running", "GPUs (nvidia-smi)", "torch / CUDA", "venv", "deployed code",
           "model", "free /dev/shm", "free runs dir", "compile caches", "runs")
@@ -32,8 +34,9 @@ def test_healthy_container_passes_every_check_in_one_round_trip(box):
         starts = box.venv_starts()
     finally:
         box.stop_counting_venv_starts()
-    assert again.returncode == 0 and starts == 2  # torch imported by each doctor: never a recorded check
-    assert r.returncode == 0, r.stdout + r.stderr
+    assert again.returncode == ExitStatus.OK
+    assert starts == 2  # torch imported by each doctor: never a recorded check
+    assert r.returncode == ExitStatus.OK, r.stdout + r.stderr
     found = rows(r.stdout)
     assert set(found) == set(CHECKS)
     assert all(mark == "ok" for mark, _ in found.values()), r.stdout
@@ -49,7 +52,7 @@ def test_missing_model_dir_fails_with_the_fix(box):
         r = box.invoke("doctor")
     finally:
         box.sh("mv /dev/shm/tiny-qwen3.away /dev/shm/tiny-qwen3")
-    assert r.returncode == 1
+    assert r.returncode == ExitStatus.CHECK_FAILED
     found = rows(r.stdout)
     mark, text = found["model"]
     assert mark == "FAIL" and "/dev/shm/tiny-qwen3 does not exist" in text and "invoke deploy" in text
@@ -63,10 +66,10 @@ def test_code_edited_in_the_container_and_a_stopped_container_are_reported(box):
         r = box.invoke("doctor")
     finally:
         box.invoke("deploy")
-    assert r.returncode == 1
+    assert r.returncode == ExitStatus.CHECK_FAILED
     mark, text = rows(r.stdout)["deployed code"]
     assert mark == "FAIL" and "train_config.py" in text and "invoke deploy" in text
     stopped = box.invoke("doctor", ct="201")
-    assert stopped.returncode == 1
+    assert stopped.returncode == ExitStatus.CHECK_FAILED
     mark, text = rows(stopped.stdout)["container running"]
     assert mark == "FAIL" and "pct start 201" in text

@@ -14,6 +14,8 @@ import subprocess
 import pytest
 from training_runs import deployed  # noqa: F401 (the module's deployed container)
 
+from dflash_ops.errors import ExitStatus
+
 pytestmark = pytest.mark.integration
 
 RUN = "evalrun"
@@ -64,7 +66,7 @@ def test_eval_writes_eval_json_lossless_with_acceptance_above_one(trained):
 def test_metrics_table_and_plot(trained, tmp_path):
     png = tmp_path / "run.png"
     out = trained.invoke("metrics", "--run", RUN, "-n", "3", "--plot", str(png)).stdout
-    assert "last 3 of 4 logged steps" in out
+    assert "last 3 of 5 logged steps" in out  # steps 1 (every launch logs its first), 5, 10, 15, 20
     rows = [line.split() for line in out.splitlines()]
     assert [r[0] for r in rows if r and r[0].isdigit()] == ["10", "15", "20"]
     assert f"plot: {png}" in out
@@ -87,13 +89,13 @@ def test_fetch_brings_the_checkpoint_back_verified_and_refuses_to_overwrite(trai
     assert info["missing_keys"] == set() and info["unexpected_keys"] == set()
 
     refused = trained.invoke("fetch", "--run", RUN, "--to", str(to), check=False)
-    assert refused.returncode == 2 and "--force" in refused.stderr
+    assert refused.returncode == ExitStatus.USAGE and "--force" in refused.stderr
     again = trained.invoke("fetch", "--run", RUN, "--to", str(to), "--checkpoint", "step-10",
                            "--force").stdout
     assert "checkpoints/step-10" in again
     missing = trained.invoke("fetch", "--run", RUN, "--to", str(tmp_path / "x"), "--checkpoint", "step-7",
                              check=False)
-    assert missing.returncode == 6
+    assert missing.returncode == ExitStatus.RUN_STATE
     assert f"no checkpoint /root/runs/{RUN}/checkpoints/step-7" in missing.stderr
     assert not (tmp_path / "x").exists()
 
@@ -142,7 +144,7 @@ def test_eval_shows_the_runs_config_paths_visibly(deployed):
                 f"{run}/config.yaml",
                 data=yaml.safe_dump(tree).encode())
     r = invoke_bytes(deployed, "eval", "--run", "shown-eval", "--num-prompts", "1")
-    assert r.returncode == 5, (r.returncode, r.stderr[-2000:])
+    assert r.returncode == ExitStatus.REMOTE_FAILED, (r.returncode, r.stderr[-2000:])
     text = assert_shown_safely(r)
     assert "target checkpoint directory not found: /dev/shm/gone^[]0;TITLE^G" in text and MARKUP in text, text
 
@@ -173,7 +175,7 @@ def test_regenerate_from_a_sharegpt_file_in_the_container_and_a_bad_file_is_one_
 
     bad = deployed.invoke("regenerate", "--src", "/root/own/junk.jsonl", "--out-dir", "/root/own/out",
                           check=False)
-    assert bad.returncode == 5 and "Traceback" not in bad.stderr, bad.stderr
+    assert bad.returncode == ExitStatus.REMOTE_FAILED and "Traceback" not in bad.stderr, bad.stderr
     [line] = bad.stderr.strip().splitlines()
     assert "regeneration failed (exit 2): regenerate_data: error: /root/own/junk.jsonl: " in line
     assert "rows unusable" in line and "not JSON" in line

@@ -10,6 +10,8 @@ import pytest
 from ct_template import seed
 from fanout_cli import Cli, rows
 
+from dflash_ops.errors import ExitStatus
+
 pytestmark = pytest.mark.integration
 
 QUICK = ["--set", "data.heldout=null", "--set", "train.log_every=1", "--set", "train.save_every=1",
@@ -51,7 +53,7 @@ def test_status_logs_stop_one_row_per_container(cli):
         "missing", "finished", 2)
 
     # One container has no such run: its row fails, the other's lines and row are still there.
-    logs = cli("logs", "--group", "all", "--run", "short", "-n", "5", code=8)
+    logs = cli("logs", "--group", "all", "--run", "short", "-n", "5", code=ExitStatus.FAN_OUT_FAILED)
     table = rows(logs.stdout)
     assert not table["pve1/200"][0] and "no run named short" in table["pve1/200"][1]
     assert table["pve2/201"] == (True, "run short"), table
@@ -90,7 +92,7 @@ def test_one_host_down_never_hides_the_other(cli, task):
         os.kill(pve2.sshd_pid, signal.SIGTERM)
     except ProcessLookupError:
         pass  # killed by an earlier case
-    r = cli(*task, "--group", "all", code=8)
+    r = cli(*task, "--group", "all", code=ExitStatus.FAN_OUT_FAILED)
     table = rows(r.stdout)
     assert table["pve1/200"][0], table
     assert not table["pve2/201"][0] and "cannot reach pve2" in table["pve2/201"][1], table

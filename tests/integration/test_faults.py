@@ -25,6 +25,7 @@ from ct_template import seed
 from training_runs import CT, REPO, deploy
 
 from dflash_ops import sandbox as sandbox_mod
+from dflash_ops.errors import ExitStatus
 
 pytestmark = pytest.mark.integration
 
@@ -293,7 +294,8 @@ def test_full_runs_directory_refuses_the_launch_in_one_line_and_doctor_says_why(
     try:
         inventory = variant_inventory(deployed, tmp_path, runs="/root/fullruns")
         r = deployed.invoke("train", "--run", "r1", "--max-steps", "3", inventory=inventory, check=False)
-        assert r.returncode == 12, r  # the preflight's free-space check, before anything is created
+        # the preflight's free-space check, before anything is created
+        assert r.returncode == ExitStatus.PREFLIGHT, r
         assert r.stderr.strip() == (f"error: pve1/{CT}: preflight disk: 0.00 GiB free for the run "
                                     "directory /root/fullruns/r1 (/root/fullruns), fewer than the 1.00 GiB "
                                     "a run needs; "
@@ -302,7 +304,7 @@ def test_full_runs_directory_refuses_the_launch_in_one_line_and_doctor_says_why(
         assert not [p for p in deployed.processes() if "train_dflash" in p]
         assert "r1" not in deployed.container("ls", "-A", "/root/fullruns").stdout.split()
         doctor = deployed.invoke("doctor", inventory=inventory, check=False)
-        assert doctor.returncode == 1 and "free runs dir" in doctor.stderr
+        assert doctor.returncode == ExitStatus.CHECK_FAILED and "free runs dir" in doctor.stderr
         assert any("FAIL" in line and "free runs dir" in line for line in doctor.stdout.splitlines())
     finally:
         unmount(deployed, "/root/fullruns")
@@ -313,7 +315,7 @@ def test_full_dev_shm_fails_deploy_clearly_and_leaves_no_half_written_model(depl
     try:
         r = deployed.invoke("deploy", check=False, timeout=600)
         # The tiny target's own output streams first; the task's error is the last line.
-        assert r.returncode == 5, r
+        assert r.returncode == ExitStatus.REMOTE_FAILED, r
         last = r.stderr.strip().splitlines()[-1]
         assert last.startswith(f"error: pve1/{CT}: exit 1: ") and "No space left on device" in last, r.stderr
         assert deployed.container("ls", "-A", "/dev/shm").stdout.split() == ["fill"]  # no partial model
@@ -415,7 +417,7 @@ def test_sshd_killed_mid_deploy_keeps_the_previous_release_and_the_next_deploy_c
     finally:
         kill_sshd(state.hosts[0].sshd_pid)
     out = p.communicate(timeout=60)[0]
-    assert p.returncode == 3, out
+    assert p.returncode == ExitStatus.UNREACHABLE, out
     assert len(out.strip().splitlines()) == 1 and out.startswith(LOST_CONNECTION), out
     for leftover in (Path(tarball), ct_root(deployed).parent / "tmp" / Path(tarball).name):
         leftover.unlink(missing_ok=True)  # the interrupted tar's copies (a known leftover, see the report)
@@ -426,7 +428,7 @@ def test_sshd_killed_mid_deploy_keeps_the_previous_release_and_the_next_deploy_c
     assert release_whole(deployed, runs=True) == before
 
     again = subprocess.run(argv, cwd=other_payload, capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0 and "files_sent=401" in again.stdout.splitlines()[-1], again
+    assert again.returncode == ExitStatus.OK and "files_sent=401" in again.stdout.splitlines()[-1], again
     assert release_whole(deployed) != before and not list(releases.glob(".stage-*"))  # stage cleared
     deployed.invoke("deploy", timeout=600)  # back to this checkout's payload
     assert release_whole(deployed) == before
@@ -447,7 +449,7 @@ def test_container_stopped_under_warmup_and_logs_follow_is_one_clear_line(deploy
         subprocess.run([pct, "stop", CT], check=True)
         out = p.communicate(timeout=60)[0]
         subprocess.run([pct, "start", CT], check=True)
-        assert p.returncode == 4, out
+        assert p.returncode == ExitStatus.CONTAINER, out
         assert out.rstrip().splitlines()[-1] == STOPPED_UNDER, out
 
     stopped_under("warmup")

@@ -18,6 +18,8 @@ import uuid
 import pytest
 from training_runs import REPO, Deployed
 
+from dflash_ops.errors import ExitStatus
+
 pytestmark = pytest.mark.integration
 
 RUN = "lies"
@@ -83,7 +85,7 @@ def test_fetch_refuses_what_the_container_forged(box, case, tmp_path):
     before_host = set(os.listdir("/tmp"))
     out = box.invoke("fetch", "--run", RUN, "--to", str(to), *checkpoint, check=False)
     lines = out.stderr.strip().splitlines()
-    assert out.returncode == 11, (out.returncode, out.stdout, out.stderr)
+    assert out.returncode == ExitStatus.UNTRUSTED, (out.returncode, out.stdout, out.stderr)
     assert len(lines) == 1 and lines[0].startswith("error: ") and "refus" in lines[0], out.stderr
     assert "sha256 verified" not in out.stdout
     # Nothing here outside --to (nor --to itself: nothing was fetched), nothing named by the container
@@ -119,7 +121,7 @@ def test_fetch_refuses_a_symlink_as_the_destination(box, tmp_path):
     elsewhere.mkdir()
     os.symlink(elsewhere, tmp_path / "drafter")
     out = box.invoke("fetch", "--run", RUN, "--to", str(tmp_path / "drafter"), "--force", check=False)
-    assert out.returncode == 2 and "not a directory" in out.stderr, out.stderr
+    assert out.returncode == ExitStatus.USAGE and "not a directory" in out.stderr, out.stderr
     assert os.listdir(elsewhere) == []
 
 
@@ -133,7 +135,7 @@ def test_a_sparse_checkpoint_is_refused_before_a_byte_moves(box, tmp_path):
     to = tmp_path / "out" / "drafter"
     out = box.invoke("fetch", "--run", RUN, "--to", str(to), check=False, timeout=300)
     lines = out.stderr.strip().splitlines()
-    assert out.returncode == 11, (out.returncode, out.stdout, out.stderr)
+    assert out.returncode == ExitStatus.UNTRUSTED, (out.returncode, out.stdout, out.stderr)
     assert len(lines) == 1 and "model.safetensors claims 1073741824 bytes" in lines[0], out.stderr
     assert "sparse" in lines[0] and "nothing written" in lines[0]
     assert not (tmp_path / "out").exists() or list((tmp_path / "out").rglob("*")) == []
@@ -168,7 +170,7 @@ def test_a_killed_fetch_leaves_nothing_running_or_partial(box, tmp_path):
         proc.send_signal(sig)
         proc.wait(timeout=60)
         if sig == signal.SIGTERM:
-            assert proc.returncode == 130, proc.stderr.read()
+            assert proc.returncode == ExitStatus.INTERRUPTED, proc.stderr.read()
             assert not to.exists() and list((tmp_path / sig.name).iterdir()) == []
         else:
             assert [p.name.startswith(".dflash-fetch-") for p in to.iterdir()] == [True]

@@ -20,6 +20,8 @@ import subprocess
 import pytest
 from training_runs import CT, box  # noqa: F401 (box: container 200, not deployed)
 
+from dflash_ops.errors import ExitStatus
+
 pytestmark = pytest.mark.integration
 
 RUNS = "/root/runs"
@@ -87,7 +89,7 @@ def test_stop_signals_no_group_it_cannot_prove_is_the_runs(box, named):
     try:
         r = box.invoke("stop", "--run", "victim", "--grace", "0", check=False)
         lines = r.stderr.strip().splitlines()
-        assert r.returncode == 6 and len(lines) == 1, (r.returncode, r.stdout, r.stderr)
+        assert r.returncode == ExitStatus.RUN_STATE and len(lines) == 1, (r.returncode, r.stdout, r.stderr)
         assert lines[0].startswith(f"error: run victim on pve1/{CT}: not signalled: "), lines
         assert group_alive(box, holder) and group_alive(box, bystander), r.stderr
         assert box.sh(f"ls {RUNS}/victim").split() == ["pgid", "pid", "started"]  # no `stopped` recorded

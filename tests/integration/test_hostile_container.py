@@ -22,6 +22,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dflash_ops.errors import ExitStatus
+from dflash_ops.oncall import monitoring
+
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
@@ -101,18 +104,19 @@ def test_fifos_in_a_run_directory_block_no_task(two, fifo_run, tmp_path):
     st = json.loads(two("status", "--run", "r", "--json").stdout)
     assert (st["state"], st["detail"]) == ("crashed", "the training process never started")
     check = two("status", "--check")
-    assert check.returncode == 2 and check.stdout.startswith("CRITICAL - pve1/200: run r crashed"), check
+    assert check.returncode == monitoring.CRITICAL, check
+    assert check.stdout.startswith("CRITICAL - pve1/200: run r crashed"), check
     prom = tmp_path / "dflash.prom"
-    assert two("status", "--prometheus", str(prom)).returncode == 0
+    assert two("status", "--prometheus", str(prom)).returncode == ExitStatus.OK
     assert 'dflash_up{host="pve1",ct="200"} 1' in prom.read_text()
     runs = two("runs")
-    assert runs.returncode == 0 and " r " in runs.stdout and "crashed" in runs.stdout, runs
-    assert two("logs", "--run", "r", "-n", "5").returncode == 0
+    assert runs.returncode == ExitStatus.OK and " r " in runs.stdout and "crashed" in runs.stdout, runs
+    assert two("logs", "--run", "r", "-n", "5").returncode == ExitStatus.OK
     stop = two("stop", "--run", "r")
-    assert stop.returncode == 0 and "run r on pve1/200 is not running" in stop.stdout, stop
+    assert stop.returncode == ExitStatus.OK and "run r on pve1/200 is not running" in stop.stdout, stop
     watch = two("watch", "--run", "r", "--every", "1")
-    assert watch.returncode == 6 and "run r on pve1/200 crashed" in watch.stderr, watch
-    assert two("prune", "--keep", "1").returncode == 0
+    assert watch.returncode == ExitStatus.RUN_STATE and "run r on pve1/200 crashed" in watch.stderr, watch
+    assert two("prune", "--keep", "1").returncode == ExitStatus.OK
 
 
 # --- the container's interpreter answers -----------------------------------------------------------------
@@ -122,7 +126,7 @@ def test_a_crafted_answer_is_one_line_naming_the_container_and_never_a_traceback
     for task in (["status"], ["status", "--json"], ["runs"], ["prune", "--keep", "1"], ["logs", "-n", "3"],
                  ["stop"], ["clean-cache"], ["doctor"]):
         r = two(*task, inventory=evil)
-        assert r.returncode != 0, (task, r.stdout)
+        assert r.returncode != ExitStatus.OK, (task, r.stdout)
         line = one_line_error(r)
         assert re.search(r"field|answer", line), (task, line)
     metrics = two("metrics", inventory=evil)  # what is not a metric is skipped and counted
@@ -149,7 +153,7 @@ def test_one_hanging_container_leaves_the_others_checked_and_exported(two, tmp_p
     evil = two.interpreter(tmp_path, "exec sleep 3600", ct=201)
     prom = tmp_path / "group.prom"
     r = two("status", "--group", "all", "--prometheus", str(prom), inventory=evil, ct=None)
-    assert r.returncode == 0, r
+    assert r.returncode == ExitStatus.OK, r
     text = prom.read_text()
     assert 'dflash_up{host="pve1",ct="200"} 1' in text
     assert 'dflash_up{host="pve1",ct="201"} 0' in text

@@ -21,6 +21,8 @@ import pytest
 import yaml
 from training_runs import CT, REPO, deploy
 
+from dflash_ops.errors import ExitStatus
+
 pytestmark = pytest.mark.integration
 
 MARK = f"/tmp/pwned-{uuid.uuid4().hex[:8]}"
@@ -97,7 +99,7 @@ def test_non_utf8_values_are_refused_in_one_line(deployed):
     for args in ([b"--run", b"run\xff"], [b"--set", b"data.assistant_header=\xff\xfe"],
                  [b"--config", b"c\xff.yaml"]):
         r = invoke_bytes(deployed, "train", *args)
-        assert r.returncode == 2, r
+        assert r.returncode == ExitStatus.USAGE, r
         lines = r.stderr.decode(errors="replace").strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: "), lines
 
@@ -133,7 +135,8 @@ def test_hostile_set_values_reach_the_training_process_literally(deployed):
     r = deployed.invoke("warmup", *[a for v in not_yaml for a in ("--set", f"train.run_dir={v}")],
                         check=False,
                         timeout=300)
-    assert r.returncode == 5 and "--set train.run_dir: value is not valid YAML" in r.stderr, r.stderr
+    assert r.returncode == ExitStatus.REMOTE_FAILED, r.stderr
+    assert "--set train.run_dir: value is not valid YAML" in r.stderr, r.stderr
 
 
 def _yaml_or_none(text):
@@ -158,7 +161,7 @@ HOSTILE_NUMBERS = (["logs", "-n", f"5; touch {MARK}"], ["status", "--stall-after
 
 def test_hostile_numbers_are_refused_and_execute_nothing(deployed):
     for args in HOSTILE_NUMBERS:
-        assert deployed.invoke(*args, check=False).returncode != 0, args
+        assert deployed.invoke(*args, check=False).returncode != ExitStatus.OK, args
 
 
 def test_hostile_numbers_are_one_line_errors(deployed):

@@ -6,6 +6,8 @@ import signal
 import pytest
 from training_runs import LONG, deployed  # noqa: F401 (deployed: the module's container)
 
+from dflash_ops.errors import ExitStatus
+
 pytestmark = pytest.mark.integration
 
 
@@ -36,7 +38,7 @@ def test_second_launch_is_refused_while_a_run_is_alive(deployed):
     # A run that cannot end on its own while we look (a 2-step run may finish before the second launch).
     deployed.train("holder", *LONG)
     refused = deployed.invoke("train", "--run", "second", check=False)
-    assert refused.returncode == 6
+    assert refused.returncode == ExitStatus.RUN_STATE
     assert "run 'holder' is alive on pve1/200" in refused.stderr
     assert deployed.container("test", "-e", "/root/runs/second", check=False).returncode != 0
 
@@ -66,10 +68,11 @@ def test_hostile_or_unknown_run_names(deployed):
     before = deployed.container("ls", "-a", "/root/runs").stdout
     for name in ("../x", "a;b", "$(touch /root/runs/pwned)", "a\nb", "x" * 65):
         r = deployed.invoke("train", "--run", name, check=False)
-        assert r.returncode == 2 and "a run name is 1-64 characters" in r.stderr
+        assert r.returncode == ExitStatus.USAGE and "a run name is 1-64 characters" in r.stderr
     assert deployed.container("ls", "-a", "/root/runs").stdout == before
     missing = deployed.invoke("stop", "--run", "nope", check=False)
-    assert missing.returncode == 6 and "no run named nope under /root/runs" in missing.stderr
+    assert missing.returncode == ExitStatus.RUN_STATE
+    assert "no run named nope under /root/runs" in missing.stderr
 
 
 def test_two_launches_at_the_same_moment_start_exactly_one(deployed):
@@ -81,7 +84,7 @@ def test_two_launches_at_the_same_moment_start_exactly_one(deployed):
     loser_output = results[1][1] if winner == "race-a" else results[0][1]
     assert f"run '{winner}' is alive" in loser_output
     warm = deployed.invoke("warmup", check=False)  # it would share the GPUs and the compile cache
-    assert warm.returncode == 6 and f"run {winner} is alive on pve1/200" in warm.stderr
+    assert warm.returncode == ExitStatus.RUN_STATE and f"run {winner} is alive on pve1/200" in warm.stderr
     training = [p for p in deployed.processes()
                 if p.startswith("/root/venv/bin/python /root/dflash/train_dflash.py")]
     assert len(training) == 1 and f"--run-dir=/root/runs/{winner}" in training[0]
@@ -128,11 +131,11 @@ def test_warmup_streams_progress_per_drafter_and_fails_loudly(deployed):
         assert line, "the warm-up ended before logging anything"
     p.send_signal(signal.SIGINT)  # Ctrl-C
     out = p.communicate(timeout=120)[0]
-    assert p.returncode == 130 and out.rstrip().endswith("interrupted"), out
+    assert p.returncode == ExitStatus.INTERRUPTED and out.rstrip().endswith("interrupted"), out
     assert not [p for p in deployed.processes() if "warmup_compile" in p]
 
     bad = deployed.invoke("warmup", "--set", "model.attention=flex", check=False, timeout=300)
-    assert bad.returncode == 5
+    assert bad.returncode == ExitStatus.REMOTE_FAILED
     assert "warmup_compile: error: model.attention=flex on a cpu drafter" in bad.stdout  # streamed as it ran
     # then one line that says why (every error message is one line; its newlines would show as ^J)
     assert bad.stderr.count("\n") == 1 and bad.stderr.startswith(

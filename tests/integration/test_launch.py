@@ -41,7 +41,7 @@ def test_ctrl_c_during_the_wait_ends_the_wait_and_the_run_goes_on(deployed):
         assert line, "train ended before showing the launch's log"
     p.send_signal(signal.SIGINT)  # Ctrl-C: the first step is seconds away (torch is still importing)
     out = p.communicate(timeout=120)[0]
-    assert p.returncode == 0, out
+    assert p.returncode == ExitStatus.OK, out
     assert f"stopped waiting; run patient goes on on pve1/{CT}" in out
     assert deployed.status("patient")["state"] == "running"
     assert [p for p in deployed.processes() if "train_dflash" in p]
@@ -50,7 +50,7 @@ def test_ctrl_c_during_the_wait_ends_the_wait_and_the_run_goes_on(deployed):
 def test_a_run_that_dies_in_the_window_is_crashed_with_its_last_error_line(deployed):
     # Only the payload judges this one (it needs torch's flex attention on the drafter's device).
     r = deployed.invoke("train", "--run", "doomed", *QUICK, "--set", "model.attention=flex", check=False)
-    assert r.returncode == 5, r
+    assert r.returncode == ExitStatus.REMOTE_FAILED, r
     assert r.stderr.count("\n") == 1, r.stderr  # one line
     assert r.stderr.startswith(f"error: run doomed on pve1/{CT} crashed (exit 2): train_dflash: error: "
                                "model.attention=flex on a cpu drafter"), r.stderr
@@ -67,7 +67,7 @@ def test_a_finished_run_is_refused_without_more_steps_and_resumes_with_them(depl
     deployed.invoke("logs", "--follow", "--run", "done", "-n", "0", timeout=300)  # returns when the run ends
     assert deployed.status("done")["state"] == "finished"
     again = deployed.invoke("train", "--run", "done", *QUICK, "--max-steps", "2", check=False)
-    assert again.returncode == 6, again
+    assert again.returncode == ExitStatus.RUN_STATE, again
     assert again.stderr.strip() == (f"error: pve1/{CT}: run done finished at step 2/2: give --max-steps N to "
                                     f"continue, or a new --run name")
     assert deployed.run_file("done", "exit_code").strip() == "0"  # nothing was launched over it
@@ -80,7 +80,7 @@ def test_a_finished_run_is_refused_without_more_steps_and_resumes_with_them(depl
 def test_warmup_then_train_never_launches_after_a_failed_warm_up(deployed):
     r = deployed.invoke("warmup", "--set", "model.attention=flex", "train", "--run", "after-warmup", *QUICK,
                         check=False, timeout=300)
-    assert r.returncode == 5 and "warm-up failed" in r.stderr, r
+    assert r.returncode == ExitStatus.REMOTE_FAILED and "warm-up failed" in r.stderr, r
     assert not run_exists(deployed, "after-warmup")
 
 
@@ -89,7 +89,7 @@ def test_dev_shm_emptied_by_a_restart_is_refused_in_one_line_before_anything_exi
         subprocess.run([str(deployed.sandbox.pct), verb, CT], check=True, timeout=60)
     try:
         r = deployed.invoke("train", "--run", "no-target", *QUICK, check=False)
-        assert r.returncode == 12, r
+        assert r.returncode == ExitStatus.PREFLIGHT, r
         line = r.stderr.strip()
         assert "\n" not in line
         assert line.startswith(f"error: pve1/{CT}: preflight target: target checkpoint directory not found: "

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from dflash_ops import errors, mux, transport
+from dflash_ops.errors import ExitStatus
 from dflash_ops.inventory import load_inventory
 
 pytestmark = pytest.mark.integration
@@ -99,11 +100,11 @@ def test_a_task_through_the_master_imports_no_paramiko(shared):
     env = {**os.environ, "DFLASH_OPS_STATS": "1"}
     argv = [str(REPO / ".venv/bin/invoke"), "status", "--json", "--inventory", str(inv.path), "--ct", "200"]
     first = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    assert first.returncode == 0, first.stderr
+    assert first.returncode == ExitStatus.OK, first.stderr
     assert "pve1: 1 connection(s), 1 round trip(s)" in first.stderr
     wait_for_master(path)
     second = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    assert second.returncode == 0, second.stderr
+    assert second.returncode == ExitStatus.OK, second.stderr
     assert "pve1: 0 connection(s), 1 round trip(s)" in second.stderr
     # The same answer: the container's latest run, if another test left one (its ages and the free
     # disk space move on).
@@ -278,7 +279,7 @@ def test_disconnect_finds_the_master_after_a_re_pin(shared, tmp_path):
     known.write_text(known.read_text() + f"other.example {kind} {blob}\n")
     r = subprocess.run([str(REPO / ".venv/bin/invoke"), "disconnect", "--host", host.name, "--inventory",
                         str(variant)], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0 and r.stdout == f"{host.name}: closed\n", r.stdout + r.stderr
+    assert r.returncode == ExitStatus.OK and r.stdout == f"{host.name}: closed\n", r.stdout + r.stderr
     deadline = time.monotonic() + 10
     while master_pids(master):
         assert time.monotonic() < deadline, "the master did not leave after disconnect"

@@ -14,6 +14,8 @@ import subprocess
 import pytest
 from training_runs import CT, REPO, Deployed
 
+from dflash_ops.errors import ExitStatus
+
 pytestmark = pytest.mark.integration
 
 RUN = "shown"
@@ -85,7 +87,7 @@ def test_logs_follow(box, planted):
 
 def test_logs_raw_keeps_the_bytes(box, planted):
     r = invoke_bytes(box, "logs", "--raw", "--run", RUN)
-    assert r.returncode == 0 and HOSTILE.encode() in r.stdout
+    assert r.returncode == ExitStatus.OK and HOSTILE.encode() in r.stdout
 
 
 def test_status(box, planted):
@@ -129,7 +131,7 @@ def test_doctor_shows_the_models_config_values(box, planted):
 def test_fetch_error_quotes_latest_visibly(box, planted, tmp_path):
     write(box, f"{planted}/checkpoints/latest", HOSTILE + "\n")
     r = invoke_bytes(box, "fetch", "--run", RUN, "--to", str(tmp_path / "d"))
-    assert r.returncode != 0
+    assert r.returncode != ExitStatus.OK
     both = r.stdout + r.stderr
     assert b"\x1b" not in both and b"\x07" not in both and b"Traceback" not in both, both
 
@@ -139,7 +141,7 @@ def test_error_messages_from_remote_stderr(box, planted):
     in_container(box, 'printf "%s\\n" "$1" > /root/runs/.current', "gone\x1b]0;TITLE\x07\x1b[2J[/]")
     try:
         r = invoke_bytes(box, "logs")
-        assert r.returncode != 0
+        assert r.returncode != ExitStatus.OK
         assert b"\x1b" not in r.stderr and b"\x07" not in r.stderr and b"Traceback" not in r.stderr, r.stderr
         # a name holding `/` is refused by the container, quoted as Python's repr (visible, no raw byte)
         assert ("no run named 'gone\\x1b]0;TITLE\\x07\\x1b[2J[/]' under /root/runs"

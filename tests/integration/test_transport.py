@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from dflash_ops import commands, errors, fetch, transport
+from dflash_ops.errors import ExitStatus
 from dflash_ops.inventory import load_inventory
 
 pytestmark = pytest.mark.integration
@@ -189,10 +190,10 @@ def test_changed_host_key_is_refused_then_pinned_deliberately(sandbox, tmp_path)
 
     offered = transport.fingerprint(transport.HostSession(host).offered_host_key())
     wrong = invoke("trust-host", "--host", host.name, "--fingerprint", "SHA256:nope", "--inventory", path)
-    assert wrong.returncode != 0 and "fingerprint mismatch" in wrong.stderr
+    assert wrong.returncode != ExitStatus.OK and "fingerprint mismatch" in wrong.stderr
     assert blob in known.read_text()
     ok = invoke("trust-host", "--host", host.name, "--fingerprint", offered, "--inventory", path)
-    assert ok.returncode == 0, ok.stderr
+    assert ok.returncode == ExitStatus.OK, ok.stderr
     assert session(load_inventory(path)).run("echo ok").stdout == "ok\n"
 
 
@@ -200,7 +201,7 @@ def test_cli_reports_container_errors_as_one_line_and_exit_code(sandbox):
     # The transport's errors reach the user through any task; trust-host with a bad host is the
     # simplest task that exists in every build of tasks.py.
     r = invoke("trust-host", "--host", "nope", "--inventory", str(sandbox.inventory))
-    assert r.returncode == 2
+    assert r.returncode == ExitStatus.USAGE
     assert r.stderr.strip().count("\n") == 0 and "no host 'nope'" in r.stderr
 
 

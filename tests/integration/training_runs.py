@@ -14,6 +14,8 @@ import pytest
 from ct_template import seed
 from waiting import wait_for
 
+from dflash_ops.errors import ExitStatus
+
 REPO = Path(__file__).resolve().parents[2]
 CT = "200"
 # A short real run: small batches, no held-out evaluation, a metric and a checkpoint every step.
@@ -36,7 +38,8 @@ class Deployed:
                            text=True,
                            timeout=timeout)
         if check:
-            assert r.returncode == 0, f"invoke {' '.join(args)}: exit {r.returncode}\n{r.stdout}\n{r.stderr}"
+            assert r.returncode == ExitStatus.OK, (f"invoke {' '.join(args)}: exit {r.returncode}\n"
+                                                   f"{r.stdout}\n{r.stderr}")
         return r
 
     def popen(self, *args) -> subprocess.Popen:

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from dflash_ops.errors import ExitStatus
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -23,7 +25,7 @@ def invoke(*args):
 ])
 def test_bad_numbers_are_one_line_usage_errors(args, flag):
     r = invoke(*args)
-    assert r.returncode == 2
+    assert r.returncode == ExitStatus.USAGE
     assert "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0
     assert r.stderr.startswith(f"error: {flag} ") and "expected" in r.stderr
     assert r.stdout == ""  # refused before anything was printed or sent
@@ -31,9 +33,9 @@ def test_bad_numbers_are_one_line_usage_errors(args, flag):
 
 def test_good_numbers_still_reach_the_task():
     r = invoke("stop", "--grace", "0.5")
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == ExitStatus.OK, r.stderr
     r = invoke("logs", "-n", "7")
-    assert r.returncode == 0 and "7" in r.stdout
+    assert r.returncode == ExitStatus.OK and "7" in r.stdout
 
 
 def test_a_reader_that_leaves_early_gets_no_traceback():

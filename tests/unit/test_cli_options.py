@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from dflash_ops import launch, runs
-from dflash_ops.errors import UsageError
+from dflash_ops.errors import ExitStatus, UsageError
 
 REPO = Path(__file__).resolve().parents[2]
 INVOKE = [sys.executable, "-m", "invoke"]
@@ -47,7 +47,7 @@ def invoke(*args, inventory: Path, check=True):
     r = subprocess.run([*INVOKE, *args, "--inventory", str(inventory)], cwd=REPO, capture_output=True,
                        text=True, timeout=60)
     if check:
-        assert r.returncode == 0, r.stderr
+        assert r.returncode == ExitStatus.OK, r.stderr
     return r
 
 
@@ -120,7 +120,7 @@ def test_secrets_are_masked_in_the_dry_run_and_the_recorded_environment(tmp_path
 
 def test_two_different_ct_values_are_an_error(inventory):
     r = invoke("warmup", "--ct", "200", "train", "--ct", "201", "--dry-run", inventory=inventory, check=False)
-    assert r.returncode == 2
+    assert r.returncode == ExitStatus.USAGE
     assert "conflicting values" in r.stderr and "--ct 200" in r.stderr and "--ct 201" in r.stderr
     assert "pct exec" not in r.stdout  # refused before anything is printed or run
 
@@ -134,7 +134,7 @@ def test_hostile_run_names_are_refused(name):
 
 def test_hostile_run_name_through_the_cli(inventory):
     r = invoke("train", "--run", "$(touch /tmp/x)", "--dry-run", inventory=inventory, check=False)
-    assert r.returncode == 2 and "a run name is" in r.stderr and r.stdout == ""
+    assert r.returncode == ExitStatus.USAGE and "a run name is" in r.stderr and r.stdout == ""
 
 
 def test_good_run_names_and_the_default():
@@ -146,7 +146,7 @@ def test_good_run_names_and_the_default():
 @pytest.mark.parametrize("value", ["noequals", "a;b=1", "=1", "a..b=1", "$(id)=1"])
 def test_malformed_set_is_refused(value, inventory):
     r = invoke("train", "--run", "r1", "--set", value, "--dry-run", inventory=inventory, check=False)
-    assert r.returncode == 2 and "expected key=value" in r.stderr
+    assert r.returncode == ExitStatus.USAGE and "expected key=value" in r.stderr
 
 
 def test_every_task_documents_itself_and_each_flag():
@@ -155,7 +155,7 @@ def test_every_task_documents_itself_and_each_flag():
                         "logs": ["--run", "-n", "--follow"], "status": ["--run", "--json", "--stall-after"],
                         "stop": ["--run", "--grace"]}.items():
         r = subprocess.run([*INVOKE, "--help", task], cwd=REPO, capture_output=True, text=True, timeout=60)
-        assert r.returncode == 0
+        assert r.returncode == ExitStatus.OK
         options = r.stdout.split("Options:")[1]
         for flag in flags + ["--dry-run", "--ct", "--inventory"]:
             line = next(ln for ln in options.splitlines() if re.search(rf"(^|\s){flag}(=|,|\s|$)", ln))
@@ -243,7 +243,7 @@ def test_dash_h_after_a_task_shows_its_help_and_does_nothing_else(task):
     """`invoke deploy -h` once deployed (-h was --check); `fetch -h` took -h as the run name. The
     default inventory's hosts are `.example` names: a task that ran would fail to connect."""
     r = subprocess.run([*INVOKE, task, "-h"], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == ExitStatus.OK, r.stderr
     assert r.stdout.startswith(f"Usage: inv[oke] [--core-opts] {task} [--options]"), r.stdout
     assert r.stderr == ""
 
@@ -253,4 +253,4 @@ def test_a_missing_required_flag_is_one_line_and_exit_2(inventory):
                           (["fetch", "--run", "r1"], "error: --to required"),
                           (["eval"], "error: --run required"), (["trust-host"], "error: --host required")):
         r = invoke(*args, inventory=inventory, check=False)
-        assert (r.returncode, r.stderr.strip(), r.stdout) == (2, message, ""), args
+        assert (r.returncode, r.stderr.strip(), r.stdout) == (ExitStatus.USAGE, message, ""), args

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_ops import caches, commands, deploy
+from dflash_ops import commands, deploy, history
 from dflash_ops.errors import RunStateError
 from dflash_ops.inventory import parse_inventory
 from dflash_ops.remote import facts as container_facts
@@ -265,7 +265,8 @@ def test_cache_cleaner_refuses_while_the_runs_lock_is_held_and_force_overrides(t
             container_runs.clean_caches(args)
         assert refused.value.answer == {"error": "busy", "message": "run run-1 is alive", "run": "run-1"}
         assert cache.exists()
-        forced = caches.parse_clean(_Ct(args["caches"]), container_runs.clean_caches({**args, "force": True}))
+        answer = container_runs.clean_caches({**args, "force": True})
+        forced = history.parse_clean(_Ct(args["caches"]), answer)
     finally:
         holder.close()
     assert not cache.exists()
@@ -273,7 +274,7 @@ def test_cache_cleaner_refuses_while_the_runs_lock_is_held_and_force_overrides(t
                                                                        ("triton", 0, 0, False)]
     assert prelude.alive_run(args["runs"]) is None
     with pytest.raises(RunStateError, match="'triton'|none could not be removed"):
-        caches.parse_clean(_Ct(args["caches"]), {"freed": {"inductor": {"left": False}}})
+        history.parse_clean(_Ct(args["caches"]), {"freed": {"inductor": {"left": False}}})
 
 
 class _Ct:

@@ -6,6 +6,7 @@ import pytest
 from invoke import Exit
 
 from dflash_ops.cli import ROWS, op_task
+from dflash_ops.errors import ExitStatus
 from tests.unit.test_cli_options import write_inventory
 
 
@@ -55,4 +56,4 @@ def test_a_function_takes_all_the_targets(inventory):
 def test_a_one_container_task_refuses_several(inventory, capsys):
     with pytest.raises(Exit) as refused:
         task(None)(invoke.Context(), ct="200,201", inventory=inventory)
-    assert refused.value.code == 2 and "give a single --ct" in str(refused.value.message)
+    assert refused.value.code == ExitStatus.USAGE and "give a single --ct" in str(refused.value.message)

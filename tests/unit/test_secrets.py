@@ -19,6 +19,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from dflash_ops import commands, launch
+from dflash_ops.errors import ExitStatus
 from dflash_ops.inventory import load_inventory
 from dflash_ops.transport import HostSession
 
@@ -72,7 +73,7 @@ def test_dry_run_of_every_task_that_sends_the_env_shows_no_secret_value(tmp_path
     inventory = inventory_with(tmp_path, env, secret_env=["CUSTOM_NAME", "PIP_INDEX_URL"], pip_env=pip_env)
     r = subprocess.run([sys.executable, "-m", "invoke", *task, "--dry-run", "--inventory", str(inventory)],
                        cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == ExitStatus.OK, r.stderr
     for value in [*env.values(), *pip_env.values()]:
         assert_hidden(value, r.stdout + r.stderr)
     assert commands.MASK in r.stdout
@@ -106,7 +107,7 @@ def test_inventory_errors_do_not_echo_env_values(tmp_path):
     path.write_text(text)
     r = subprocess.run([sys.executable, "-m", "invoke", "train", "--dry-run", "--inventory", str(path)],
                        cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "HF_TOKEN" in r.stderr and "NUL" in r.stderr
+    assert r.returncode == ExitStatus.USAGE and "HF_TOKEN" in r.stderr and "NUL" in r.stderr
     assert "s3cr3t" not in r.stdout + r.stderr
 
 

@@ -6,7 +6,8 @@ receiver never delays the next poll; a delivery that still fails after the last 
 reported (one line, through `report`) and dropped, and the watch goes on.
 
 - `Webhook(url)`: POSTs `{"text": ..., "event": {...}}` (Slack/Mattermost incoming-webhook style:
-  they show `text`; `<`, `>`, `&` in it are escaped, so a log line cannot mention @channel). Credentials in
+  they show `text`, made by terminal.chat: no mention, Markdown link or image of the log's reaches the
+  channel). Credentials in
   the URL (user:password@, tokens in the path or query, as Slack's /services/T../B../secret) never appear in
   what we print: `mask_url` keeps the scheme, host and port only, and every error text is scrubbed of the
   URL's parts.
@@ -28,7 +29,7 @@ import urllib.parse
 import urllib.request
 
 from ..errors import UsageError
-from ..terminal import visible
+from ..terminal import chat
 
 _STOP = object()
 
@@ -89,12 +90,6 @@ class Outbox:
         return left if self._thread.is_alive() else 0
 
 
-def chat_text(text: str) -> str:
-    """Event text for a chat message: log lines come from the container, so no control characters, and
-    `<`, `>`, `&` escaped as Slack asks (a log line saying `<!channel>` must not page everyone)."""
-    return visible(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-
-
 def mask_url(url: str) -> str:
     """scheme://host:port/*** : what may be printed of a webhook URL."""
     parts = urllib.parse.urlsplit(url)
@@ -143,7 +138,7 @@ class Webhook(Outbox):
         return text
 
     def deliver(self, event: dict) -> None:
-        body = json.dumps({"text": chat_text(event["text"]), "event": event}).encode()
+        body = json.dumps({"text": chat(event["text"]), "event": event}).encode()
         request = urllib.request.Request(self._target, data=body, method="POST",
                                          headers={"Content-Type": "application/json"})
         if self._auth:

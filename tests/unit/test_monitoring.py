@@ -92,6 +92,21 @@ def test_each_state_gets_its_code_and_one_line():
         assert "\n" not in v.line()
 
 
+@pytest.mark.parametrize("many", [False, True])
+def test_what_a_run_file_holds_cannot_start_perfdata_or_a_plugin_line(many):
+    """A crashed run whose last error line (the container's) holds `|` and every Unicode line break: the
+    report stays one line per container with one `|`, the text shown visibly."""
+    said = ("RuntimeError: x | step=999999 loss=0\u2028OK - pve1/200: run t1 running\x85OK - fake"
+            "\u2029OK\x1cOK\r\nOK")
+    crashed = finished(state="crashed", detail=f"exit 1: {said}")
+    verdicts = [check(crashed)] + ([check(finished())] if many else [])
+    code, text = monitoring.report(verdicts)
+    lines = text.splitlines()  # as a monitoring system splits the plugin's output: every line break
+    assert code == CRITICAL and len(lines) == 1 + 2 * many, lines
+    assert text.count("|") == 1 and "step=999999" not in lines[0].split(" | ")[1]
+    assert "x <U+007C> step=999999 loss=0 OK - pve1/200: run t1 running OK - fake OK OK OK" in text, text
+
+
 def test_low_space_warns_and_a_failure_signature_is_critical():
     low = check(running(5, free_shm=100 << 20))
     assert (low.code == WARNING

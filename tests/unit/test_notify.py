@@ -74,9 +74,15 @@ def test_webhook_posts_text_and_event_in_order(receiver):
 def test_webhook_text_from_a_log_line_cannot_ping_or_drive_a_terminal(receiver):
     hook = notify.Webhook(f"http://127.0.0.1:{receiver.port}/h", print, backoff=0.01)
     hook.send(event("signature", "NCCL error in the log: <!channel> x & y \x1b]52;c;cGF5bG9hZA==\x07"))
+    hook.send(event("crashed", "RuntimeError: @channel @all @here ask @alice [click](http://evil.example/a) "
+                               "![pixel](https://evil.example/p.png) see http://evil.example\u2028next"))
     hook.close()
-    text = receiver.wait(1)[0]["json"]["text"]
-    assert text == "NCCL error in the log: &lt;!channel&gt; x &amp; y ^[]52;c;cGF5bG9hZA==^G"
+    first, second = (p["json"]["text"] for p in receiver.wait(2))
+    assert first == "NCCL error in the log: &lt;!channel&gt; x &amp; y ^[]52;c;cGF5bG9hZA==^G"
+    z = "\u200b"  # a zero-width space: the text reads the same, nothing is a mention, a link or an image
+    assert second == (f"RuntimeError: @{z}channel @{z}all @{z}here ask @{z}alice "
+                      f"[click]{z}(http:{z}//evil.example/a) !{z}[pixel]{z}(https:{z}//evil.example/p.png) "
+                      f"see http:{z}//evil.example&lt;U+2028&gt;next")
 
 
 def test_webhook_retries_a_failing_receiver_with_backoff_then_delivers():

@@ -71,11 +71,13 @@ def test_check_and_watch_a_run_through_stall_resume_and_crash(deployed):
     assert code == 0 and line.startswith("OK - pve1/200: run victim running, step "), line
     assert " | step=" in line and " tok_s=" in line and " free_shm=" in line
 
-    watch = subprocess.Popen(watch_argv(d, "victim", "--stall-after", "6", "--hang-after", "100000",
-                                        "--webhook", hook.url),
-                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    watch = subprocess.Popen(watch_argv(d, "victim", "--stall-after", "6", "--hang-after", "100000"),
+                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=dict(os.environ, DFLASH_WEBHOOK_URL=hook.url))
     try:
         d.wait_for("the watch's first event", lambda: hook.kinds())
+        argv = open(f"/proc/{watch.pid}/cmdline", "rb").read().decode()  # what every local user can read
+        assert not [part for part in SECRET_URL_PARTS if part in argv], argv
         d.container("kill", "-STOP", "--", f"-{pgid(d, 'victim')}")  # the whole run: wrapper and trainer
         d.wait_for("the stalled event", lambda: "stalled" in hook.kinds(), every=1.0)
         code, line = check(d, "--stall-after", "2")
@@ -173,7 +175,10 @@ def test_unreachable_webhook_is_retried_reported_and_the_watch_goes_on(deployed,
         port = s.getsockname()[1]
     seen = tmp_path / "events.jsonl"
     d.train("long", *LONG)
-    watch = subprocess.Popen(watch_argv(d, "long", "--webhook", f"http://127.0.0.1:{port}/hooks/tok3n",
+    hook_file = tmp_path / "hook"
+    hook_file.write_text(f"http://127.0.0.1:{port}/hooks/tok3n\n")
+    hook_file.chmod(0o600)
+    watch = subprocess.Popen(watch_argv(d, "long", "--webhook-file", str(hook_file),
                                         "--notify-cmd", f"{sys.executable} -c 'import sys; "
                                         f"open(sys.argv[1], \"a\").write(sys.stdin.read())' {seen}"),
                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -1,6 +1,7 @@
 """`status --check` verdicts and `status --prometheus` text from status facts (pure)."""
 
 import dataclasses
+import os
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -197,3 +198,24 @@ def test_prometheus_file_is_replaced_atomically(tmp_path):
     assert target.read_text() == "dflash_up 1\n"
     assert [p.name for p in tmp_path.iterdir()] == ["dflash.prom"]  # no temp file left behind
     assert oct(target.stat().st_mode & 0o777) == "0o644"
+
+
+def test_prometheus_temp_file_swapped_for_a_symlink_leaves_a_private_file_private(tmp_path, monkeypatch):
+    """Another user of the textfile directory swaps the temp file for a symlink to a private file of
+    root's between the write and the chmod: the private file stays 0600 and nothing is renamed."""
+    victim = tmp_path / "root-only"
+    victim.write_text("secret\n")
+    victim.chmod(0o600)
+    real_fsync = os.fsync
+
+    def swap(fd):
+        for temp in tmp_path.glob(".dflash.prom.*.tmp"):
+            temp.unlink()
+            temp.symlink_to(victim)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", swap)
+    with pytest.raises(OSError, match="replaced by someone else"):
+        prometheus.write_atomic(str(tmp_path / "dflash.prom"), "dflash_up 1\n")
+    assert oct(victim.stat().st_mode & 0o777) == "0o600" and victim.read_text() == "secret\n"
+    assert not (tmp_path / "dflash.prom").exists()

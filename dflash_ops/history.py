@@ -180,6 +180,9 @@ def describe_prune(answer: dict, label: str, acted: bool) -> str:
              for item in plan]
     if answer.get("alive"):
         lines.append(f"  kept       alive run {visible(answer['alive'])} (never touched)")
+    unparsed = [visible(n)[:80] for n in (answer.get("unparsed") or [])[:20] if isinstance(n, str)]
+    if unparsed:
+        lines.append(f"  left alone, not runs: {', '.join(unparsed)}")
     if not plan:
         return "\n".join([f"{label}: nothing to prune", *lines])
     if not acted:

@@ -295,22 +295,25 @@ def status(c, run=None, json=False, stall_after=600, ct=None, group=None, invent
     "hang_after": "... and this many seconds: hung",
     "notify_cmd": "run this local command for each event, the event as JSON on stdin (split like a shell "
                   "line, run without a shell: write sh -c '...' for pipes)",
-    "webhook": "POST each event as JSON with a `text` field (Slack/Mattermost incoming webhook)"})
-def watch_run(t, run=None, every=30, stall_after=600, hang_after=1800, notify_cmd=None, webhook=None, ct=None,
-              inventory=None, dry_run=False):
+    "webhook_file": "POST each event as JSON with a `text` field to the Slack/Mattermost incoming-webhook "
+                    "URL on this file's first line (chmod 600); or export DFLASH_WEBHOOK_URL",
+    "webhook": "refused: a URL in argv is visible to every local user; use --webhook-file"})
+def watch_run(t, run=None, every=30, stall_after=600, hang_after=1800, notify_cmd=None, webhook_file=None,
+              webhook=None, ct=None, inventory=None, dry_run=False):
     """Watch a run until it ends: one line per event, and to a webhook or a command.
 
     Events: started, stalled, hung, recovered, a known failure in the log (with its runbook), a new
     evaluation, crashed (with the runbook), finished, stopped; unreachable/reachable when a poll
     fails or works again. Each poll is one round trip. Webhook and command run on a background
     thread with retries and backoff: a dead receiver is reported on stderr and never delays the
-    watch. The webhook URL's credentials and tokens are never printed. Exit 0 when the run finished
-    or was stopped, 6 when it crashed; Ctrl-C stops watching (the run goes on).
+    watch. The webhook URL comes from --webhook-file or $DFLASH_WEBHOOK_URL, never from argv; its
+    credentials and tokens are never printed. Exit 0 when the run finished or was stopped, 6 when it
+    crashed; Ctrl-C stops watching (the run goes on).
     """
-    from dflash_ops.oncall import alerting
+    from dflash_ops.oncall import alerting, notify
 
-    alerting.watch(t, run, float(every), float(stall_after),
-                   float(hang_after), webhook=webhook, notify_cmd=notify_cmd)
+    alerting.watch(t, run, float(every), float(stall_after), float(hang_after),
+                   webhook=notify.webhook_url(webhook_file, webhook), notify_cmd=notify_cmd)
 
 
 @op_task(fan_out=ROWS, help={"run": "run name (default: the latest run)",

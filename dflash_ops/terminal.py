@@ -11,8 +11,11 @@ becomes visible text (ESC -> `^[`, DEL -> `^?`, a C1 control -> `<U+009B>`, a ba
 to print it with (no emoji codes, no highlighting, so what is printed is exactly the text).
 `logs --raw` is the one path that writes container bytes untouched, because the operator asked.
 
-`Visible(stream)` is the terminal's filter for output streamed as it comes (deploy's pip and
-tiny-target build, any remote stream the transport shows).
+One filter per sink, each starting from `visible()`:
+- the terminal: `visible()`/`markup()`, and `Visible(stream)` for output streamed as it comes (deploy's
+  pip and tiny-target build, any remote stream the transport shows);
+- a chat message: `chat()` (mentions, links and images neutralized, `<>&` escaped);
+- a monitoring-plugin line: `plugin()` (one line whatever Unicode line break it held, no `|`).
 """
 
 from __future__ import annotations
@@ -93,6 +96,38 @@ class Visible:
 
     def isatty(self) -> bool:
         return False
+
+
+# Every line boundary Python's str.splitlines() knows (CR, LF, VT, FF, FS, GS, RS, NEL, LS, PS).
+LINE_BREAKS = re.compile("\r\n|[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]")
+
+
+def plugin(data: str | bytes) -> str:
+    """Untrusted text -> one monitoring-plugin line: every Unicode line break becomes a space BEFORE
+    anything is split or shown (a U+2028 in a run file was a plugin line of its own, a fake `OK - ...`),
+    then `visible()`, and no `|` (it starts the performance data)."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        data = bytes(data).decode("utf-8", errors="backslashreplace")
+    return visible(LINE_BREAKS.sub(" ", str(data))).replace("|", "<U+007C>")
+
+
+# Chat markup that a log line must not carry into a channel: a mention pages people (@channel, @all,
+# @here, @user), a Markdown link or image ([t](u), ![a](u)) or a bare URL renders as a link or fetches
+# an image from the container's choice of server. A zero-width space breaks each without hiding it.
+_ZWSP = "\u200b"
+_MENTION = re.compile(r"@(?=\w)")
+_LINK = re.compile(r"([\]!])(?=[(\[])")
+_URL = re.compile(r"(?<=\w):(?=//)")
+
+
+def chat(data: str | bytes) -> str:
+    """Untrusted text -> the text of a chat message (Slack/Mattermost webhook): `visible()` (one line,
+    no control byte), `<`, `>`, `&` escaped as Slack asks (`<!channel>`, `<url|text>`), and every
+    mention, Markdown link or image and URL broken by a zero-width space (Mattermost renders them)."""
+    text = visible(data).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    text = _MENTION.sub("@" + _ZWSP, text)
+    text = _LINK.sub(lambda m: m.group(1) + _ZWSP, text)
+    return _URL.sub(":" + _ZWSP, text)
 
 
 def console(**options):

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from .. import fanout, runs
 from .. import status as status_mod
 from ..errors import ContainerError, DflashOpsError, RunStateError, UsageError
-from ..terminal import visible
+from ..terminal import plugin, visible
 from . import events, monitoring, notify, prometheus
 
 
@@ -63,11 +63,12 @@ def check(select, run) -> Report:
         rows = collect(targets, run, th.stall_after)
     except Exception as exc:  # noqa: BLE001 - a failure of the check itself is UNKNOWN, never OK or WARNING
         said = str(exc) if isinstance(exc, DflashOpsError) else repr(exc)
-        return Report(f"UNKNOWN - {visible(said)}", exit_with=monitoring.UNKNOWN)
+        return Report(f"UNKNOWN - {plugin(said)}", exit_with=monitoring.UNKNOWN)
     if any(t.dry_run for t in targets):
         return Report(exit_with=monitoring.OK)
     code, text = monitoring.report([_verdict(t, st, error, th) for t, st, error in rows])
-    return Report("\n".join(visible(line) for line in text.splitlines()), exit_with=code)
+    # Its lines are plugin-safe already (terminal.plugin): split only where report() joined them.
+    return Report(text, exit_with=code)
 
 
 def export_metrics(targets, run, stall_after, path: str | None) -> Report:

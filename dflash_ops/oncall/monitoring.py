@@ -3,7 +3,9 @@
 The plugin convention is its own exit-code table, used by `--check` only (the other tasks use
 `errors.ExitStatus`): 0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN. The output is one line, then `|` and
 the performance data; with several containers the worst verdict comes first and each container
-gets a line of its own after it. Pure: `verdict(RunStatus)` and `report([Verdict])`.
+gets a line of its own after it. Pure: `verdict(RunStatus)` and `report([Verdict])`. Every text in a
+line goes through terminal.plugin (one line, no `|`, whatever the container wrote in a run file);
+perfdata values are numbers or `U`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field
 from .. import runs
 from ..errors import UsageError
 from ..status import DEFAULT_STALL_AFTER, RunStatus
+from ..terminal import plugin
 
 OK, WARNING, CRITICAL, UNKNOWN = 0, 1, 2, 3
 NAMES = {OK: "OK", WARNING: "WARNING", CRITICAL: "CRITICAL", UNKNOWN: "UNKNOWN"}
@@ -55,7 +58,7 @@ class Verdict:
     perfdata: dict = field(default_factory=dict)  # name -> (value or None, unit)
 
     def line(self) -> str:
-        return f"{NAMES[self.code]} - {self.label}: {self.summary}"
+        return f"{NAMES[self.code]} - {plugin(self.label)}: {plugin(self.summary)}"
 
 
 def _gib(n: int) -> str:
@@ -109,7 +112,7 @@ def unknown(label: str, reason: str) -> Verdict:
 
 
 def _perf_value(value) -> str:
-    if value is None:
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
         return "U"  # the plugin convention's "no value"
     if isinstance(value, float):
         return f"{value:.6g}"
@@ -138,6 +141,6 @@ def report(verdicts: list[Verdict]) -> tuple[int, str]:
     counts = ", ".join(f"{sum(v.code == c for v in verdicts)} {NAMES[c]}"
                        for c in (CRITICAL, UNKNOWN, WARNING, OK)
                        if any(v.code == c for v in verdicts))
-    first = (f"{NAMES[worst.code]} - {len(verdicts)} containers ({counts}); worst {worst.label}: "
-             f"{worst.summary}")
+    first = (f"{NAMES[worst.code]} - {len(verdicts)} containers ({counts}); worst {plugin(worst.label)}: "
+             f"{plugin(worst.summary)}")
     return worst.code, "\n".join([first + (f" | {perf}" if perf else ""), *(v.line() for v in ordered)])

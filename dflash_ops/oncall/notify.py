@@ -6,10 +6,12 @@ receiver never delays the next poll; a delivery that still fails after the last 
 reported (one line, through `report`) and dropped, and the watch goes on.
 
 - `Webhook(url)`: POSTs `{"text": ..., "event": {...}}` (Slack/Mattermost incoming-webhook style:
-  they show `text`; `<`, `>`, `&` in it are escaped, so a log line cannot mention @channel). Credentials in
-  the URL (user:password@, tokens in the path or query, as Slack's /services/T../B../secret) never appear in
-  what we print: `mask_url` keeps the scheme, host and port only, and every error text is scrubbed of the
-  URL's parts.
+  they show `text`, made by terminal.chat: no mention, Markdown link or image of the log's reaches the
+  channel). The URL comes from a file or the environment (`webhook_url`), never from argv, where every
+  local user could read it for the watch's whole life. Credentials in the URL (user:password@, tokens in
+  the path or query, as Slack's /services/T../B../secret) never appear in what we print: `mask_url`
+  keeps the scheme, host and port only, and every error text is scrubbed of the URL's parts. The Basic
+  credentials are sent to the URL's own host only, never again on a redirect.
 - `Command(cmd)`: runs a local command with the event JSON on stdin. The command is split like a
   shell would (shlex) and run as an argv, without a shell, so nothing in an event can become a
   command; give `sh -c '...'` yourself when you need pipes or redirection.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import queue
 import shlex
 import subprocess
@@ -27,8 +30,9 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
+from .. import localfiles
 from ..errors import UsageError
-from ..terminal import visible
+from ..terminal import chat
 
 _STOP = object()
 
@@ -89,10 +93,32 @@ class Outbox:
         return left if self._thread.is_alive() else 0
 
 
-def chat_text(text: str) -> str:
-    """Event text for a chat message: log lines come from the container, so no control characters, and
-    `<`, `>`, `&` escaped as Slack asks (a log line saying `<!channel>` must not page everyone)."""
-    return visible(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+WEBHOOK_ENV = "DFLASH_WEBHOOK_URL"
+WEBHOOK_FILE_MAX = 8192
+
+
+def webhook_url(webhook_file: str | None = None, old_flag: str | None = None) -> str | None:
+    """The webhook URL: the first line of `webhook_file` (a regular file only this user can read), or
+    $DFLASH_WEBHOOK_URL; None when neither is given. `--webhook URL` itself is refused in one line."""
+    if old_flag:
+        raise UsageError("--webhook URL puts the URL and its credentials in the process list for the "
+                         "watch's whole life: write it to a file (chmod 600) and give --webhook-file "
+                         f"FILE, or export {WEBHOOK_ENV}")
+    if webhook_file is None:
+        return os.environ.get(WEBHOOK_ENV) or None
+    path = os.path.expanduser(webhook_file)
+    try:
+        data = localfiles.read_regular(path, WEBHOOK_FILE_MAX, "webhook file")
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise UsageError(f"--webhook-file {webhook_file}: no such file") from None
+    if mode & 0o077:
+        raise UsageError(f"--webhook-file {webhook_file}: group or others may read it (mode "
+                         f"{mode & 0o777:04o}), and it holds credentials: run `chmod 600 {webhook_file}`")
+    lines = data.decode("utf-8", "replace").strip().splitlines()
+    if not lines:
+        raise UsageError(f"--webhook-file {webhook_file}: empty; write the webhook URL on its first line")
+    return lines[0].strip()
 
 
 def mask_url(url: str) -> str:
@@ -143,11 +169,11 @@ class Webhook(Outbox):
         return text
 
     def deliver(self, event: dict) -> None:
-        body = json.dumps({"text": chat_text(event["text"]), "event": event}).encode()
+        body = json.dumps({"text": chat(event["text"]), "event": event}).encode()
         request = urllib.request.Request(self._target, data=body, method="POST",
                                          headers={"Content-Type": "application/json"})
-        if self._auth:
-            request.add_header("Authorization", self._auth)
+        if self._auth:  # unredirected: urllib does not copy it into a redirect's request (to any host)
+            request.add_unredirected_header("Authorization", self._auth)
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
                 response.read(1 << 16)

@@ -9,9 +9,10 @@ Pure apart from `write_atomic`; `exposition` is tested with prometheus_client's 
 
 from __future__ import annotations
 
+import errno
 import math
 import os
-import tempfile
+import secrets
 
 from ..status import RunStatus
 
@@ -108,18 +109,35 @@ def exposition(all_samples) -> str:
 
 
 def write_atomic(path: str, text: str) -> str:
-    """Replace `path` in one rename; the temp file's name ends in .tmp so the collector skips it."""
+    """Replace `path` in one rename; the temp file's name ends in .tmp so the collector skips it.
+
+    The textfile directory may be writable by others (node_exporter's user): the temp file is created
+    O_EXCL|O_NOFOLLOW and made 0644 with fchmod on the open file, never by name (a name another user
+    swapped for a symlink to a private file of root's made that file 0644), and renamed only while its
+    name is still that file."""
     directory = os.path.dirname(os.path.abspath(path))
-    fd, temp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    temp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(8)}.tmp")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    mine = os.fstat(fd)
+
+    def still_mine() -> bool:
+        try:
+            now = os.lstat(temp)
+        except OSError:
+            return False
+        return (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino)
+
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
+            os.fchmod(f.fileno(), 0o644)  # the collector may run as another user
             os.fsync(f.fileno())
-        os.chmod(temp, 0o644)  # the collector may run as another user
+        if not still_mine():
+            raise OSError(errno.EEXIST, f"{temp} was replaced by someone else while it was written")
         os.replace(temp, path)
     except BaseException:
-        if os.path.exists(temp):
+        if still_mine():
             os.unlink(temp)
         raise
     return path

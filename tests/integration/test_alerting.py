@@ -9,44 +9,17 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from training_runs import LONG, REPO, deployed  # noqa: F401 (deployed: the module's container)
+from webhook_receiver import SECRET_URL_PARTS, Receiver
 
 from dflash_ops.errors import ExitStatus
 from dflash_ops.oncall import monitoring
 from dflash_ops.remote.readings import human_bytes
 
 pytestmark = pytest.mark.integration
-SECRET_URL_PARTS = ("hunter2", "T0001", "B0002", "SECRETtoken")
-
-
-class Receiver:
-    """A Slack/Mattermost-style incoming webhook: every POST's JSON body, in order."""
-
-    def __init__(self):
-        self.bodies = []
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                receiver.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-                self.send_response(200)
-                self.end_headers()
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = (f"http://bot:hunter2@127.0.0.1:{self.server.server_address[1]}"
-                    "/services/T0001/B0002/SECRETtoken")
-
-    def kinds(self):
-        return [b["event"]["event"] for b in self.bodies]
 
 
 def check(d, *args, run="victim", **kw):
@@ -73,11 +46,13 @@ def test_check_and_watch_a_run_through_stall_resume_and_crash(deployed):
     assert code == monitoring.OK and line.startswith("OK - pve1/200: run victim running, step "), line
     assert " | step=" in line and " tok_s=" in line and " free_shm=" in line
 
-    watch = subprocess.Popen(watch_argv(d, "victim", "--stall-after", "6", "--hang-after", "100000",
-                                        "--webhook", hook.url),
-                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    watch = subprocess.Popen(watch_argv(d, "victim", "--stall-after", "6", "--hang-after", "100000"),
+                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=dict(os.environ, DFLASH_WEBHOOK_URL=hook.url))
     try:
         d.wait_for("the watch's first event", lambda: hook.kinds())
+        argv = open(f"/proc/{watch.pid}/cmdline", "rb").read().decode()  # what every local user can read
+        assert not [part for part in SECRET_URL_PARTS if part in argv], argv
         d.container("kill", "-STOP", "--", f"-{pgid(d, 'victim')}")  # the whole run: wrapper and trainer
         d.wait_for("the stalled event", lambda: "stalled" in hook.kinds(), every=1.0)
         code, line = check(d, "--stall-after", "2")
@@ -177,7 +152,10 @@ def test_unreachable_webhook_is_retried_reported_and_the_watch_goes_on(deployed,
         port = s.getsockname()[1]
     seen = tmp_path / "events.jsonl"
     d.train("long", *LONG)
-    watch = subprocess.Popen(watch_argv(d, "long", "--webhook", f"http://127.0.0.1:{port}/hooks/tok3n",
+    hook_file = tmp_path / "hook"
+    hook_file.write_text(f"http://127.0.0.1:{port}/hooks/tok3n\n")
+    hook_file.chmod(0o600)
+    watch = subprocess.Popen(watch_argv(d, "long", "--webhook-file", str(hook_file),
                                         "--notify-cmd", f"{sys.executable} -c 'import sys; "
                                         f"open(sys.argv[1], \"a\").write(sys.stdin.read())' {seen}"),
                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

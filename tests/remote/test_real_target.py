@@ -161,3 +161,28 @@ def test_an_unsupported_architecture_is_refused_in_one_line(tiny_target, tmp_pat
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "target architecture 'gpt2' is not supported" in lines[0], lines
+
+
+@pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("chatterbot_corpus", "depresso")),
+                    reason="chatterbot-corpus or depresso not installed (scripts/bootstrap installs them)")
+def test_make_real_reproduces_the_shipped_prompts_split_by_prompt(tmp_path):
+    from chat_formats import prompt_key, read_dataset
+    from data import make_real
+
+    assert make_real.main(["--out", str(tmp_path), "--heldout", "128", "--train", "384"]) == 0
+    built = {name: list(read_dataset(str(tmp_path / f"{name}.jsonl"))) for name in ("train", "heldout")}
+    shipped = {name: list(read_dataset(os.path.join(DATA, f"{name}.jsonl"))) for name in built}
+    for name, limit in (("heldout", 128), ("train", 192)):  # the shipped train rows: the first 192
+        users = [[(r.id, t["content"]) for t in r.turns if t["role"] == "user"]
+                 for r in built[name][:limit]]
+        assert users == [[(r.id, t["content"]) for t in r.turns if t["role"] == "user"]
+                         for r in shipped[name]]
+    train_keys = {prompt_key(r.turns) for r in built["train"]}
+    held_keys = {prompt_key(r.turns) for r in built["heldout"]}
+    assert len(train_keys) == 384 and len(held_keys) == 128 and not train_keys & held_keys
+    with open(os.path.join(make_real.package_dir("depresso", "depresso"), "data", "prompts.json")) as f:
+        harmful = {" ".join(p.split()) for p in json.load(f)["refusal"]}
+    users = {t["content"] for rows in built.values() for r in rows for t in r.turns if t["role"] == "user"}
+    assert len(harmful) == 36 and not users & harmful  # the harmful prompts are left out
+    ids = [r.id for rows in built.values() for r in rows]
+    assert any(i.startswith("depresso-") for i in ids) and any(i.startswith("chatterbot-") for i in ids)

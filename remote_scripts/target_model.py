@@ -106,9 +106,12 @@ def load_target_config(path: str):
 
 def load_causal_lm(path: str, dtype: str) -> nn.Module:
     """The one loader of the target's weights: frozen, eval mode, on the CPU."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = load_target_config(path)
+    _check_dir(path)
+    with _load_errors(path, "model"):
+        config = AutoConfig.from_pretrained(path)
+    check_architecture(config)  # before the weights are read
     with _load_errors(path, "model"):
         model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=DTYPES[dtype])
     return model.requires_grad_(False).eval()

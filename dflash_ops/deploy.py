@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import commands, terminal, transport
+from . import commands, real_target, terminal, transport
 from .errors import DeployError
 from .inventory import Container
 from .remote import readings
@@ -304,6 +304,9 @@ def deploy(t: Target, root: Path = REPO_ROOT, echo: Callable[[str], None] | None
         say(f"model: creating the tiny target in {ct.paths.model}")
         run(tiny_target_line(ct), stream=not t.dry_run)
         report.tiny_target_created = True
+    elif ct.target_package:
+        say(f"model: {ct.target_package} -> {ct.paths.model} (installed, converted once per GGUF)")
+        run(real_target.convert_line(ct), stream=not t.dry_run)
 
     report.line_bytes = sum(len(line.encode()) for line in sent_lines)
     report.round_trips = session.round_trips - trips_before

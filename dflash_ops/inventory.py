@@ -20,6 +20,7 @@ from .errors import InventoryError
 DEFAULT_INVENTORY = "inventory/production.yaml"
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+PACKAGE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 # Whole words of a variable name: HF_TOKEN and DB_PASSWORD are secrets, TOKENIZERS_PARALLELISM is not.
 SECRET_NAME = re.compile(r"(^|_)(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|PRIVATE_KEY)(_|$)",
                          re.IGNORECASE)
@@ -103,6 +104,7 @@ class Container:
     python: str = "/usr/bin/python3"
     tiny_target: bool = False
     tiny_target_fit_steps: int = 0
+    target_package: str | None = None  # a pip package shipping a GGUF target (real_target.py)
     paths: Paths = field(default_factory=Paths)
     train_config: str = "configs/production-27b.yaml"
     env: Mapping[str, str] = field(default_factory=dict)
@@ -256,7 +258,8 @@ class _Reader:
 
 HOST_KEYS = {"address", "port", "user", "key", "known_hosts", "jump", "node", "pct", "become",
              "control_persist"}
-CONTAINER_KEYS = {"host", "name", "roles", "python", "tiny_target", "tiny_target_fit_steps", "paths",
+CONTAINER_KEYS = {"host", "name", "roles", "python", "tiny_target", "tiny_target_fit_steps",
+                  "target_package", "paths",
                   "train_config", "env",
                   "secret_env", "pip_env", "rdzv_address"}
 PATH_KEYS = {"venv", "code", "runs", "model", "data", "caches"}
@@ -387,6 +390,11 @@ def _container(r: _Reader, raw_id, raw, hosts: Mapping[str, Host]) -> Container:
     fit_steps = r.typed(raw.get("tiny_target_fit_steps", 0), f"{key}.tiny_target_fit_steps", int)
     if fit_steps < 0:
         r.fail(f"{key}.tiny_target_fit_steps", f"must be 0 or more, got {fit_steps}")
+    package = raw.get("target_package")
+    if package is not None and not (isinstance(package, str) and PACKAGE_NAME.match(package)):
+        r.fail(f"{key}.target_package", f"must be a pip package name, got {package!r}")
+    if package and tiny:
+        r.fail(f"{key}.target_package", "and tiny_target: true ask for two targets; keep one")
     train_config = r.text(raw.get("train_config", "configs/production-27b.yaml"), f"{key}.train_config")
     if train_config.startswith("-"):
         r.fail(f"{key}.train_config", "must be a path, not an option")
@@ -398,6 +406,7 @@ def _container(r: _Reader, raw_id, raw, hosts: Mapping[str, Host]) -> Container:
         python=r.abspath(raw.get("python", "/usr/bin/python3"), f"{key}.python"),
         tiny_target=tiny,
         tiny_target_fit_steps=fit_steps,
+        target_package=package,
         paths=_paths(r, raw.get("paths"), f"{key}.paths"),
         train_config=train_config,
         env=r.env(raw.get("env"), f"{key}.env"),

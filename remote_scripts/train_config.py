@@ -66,9 +66,13 @@ class TargetConfig:
     # over several target devices: split (layers in chunks, one copy), replicate (one full copy
     # per device, the drafters' batches spread over them) or auto (replicate when it fits)
     placement: str = "split"
+    # keep each conversation's features after its first target forward, up to this many GiB in
+    # host memory (0: off): for targets on few cores, where the forward costs more than the step
+    feature_cache_gib: float = 0.0
 
     def __post_init__(self):
         _check_types(self, "target")
+        _check(self.feature_cache_gib >= 0, "target.feature_cache_gib", "must be >= 0")
         _check(bool(self.path), "target.path", "is required")
         _check(self.dtype in DTYPE_NAMES, "target.dtype", f"must be one of {sorted(DTYPE_NAMES)}")
         _check(self.placement in PLACEMENTS, "target.placement",

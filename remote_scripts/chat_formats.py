@@ -169,7 +169,18 @@ def _records(path: str, container: str):
         raise DataError(f"{shown(path)}: cannot read {container} ({_first_line(exc)})") from None
 
 
+PARQUET_BATCH = 1024  # rows read at once (their strings as dictionaries: indices, and each value once)
+BATCH_TEXT_MAX = 64 << 20  # a batch's text made at once; beyond it, row by row
+EXPANSION_MAX, EXPANSION_FLOOR = 1000, 64 << 20  # a file's rows may hold this many times its size
+
+
 def _parquet_records(path: str):
+    """Rows of a Parquet file, never more text decoded than its rows may hold. A few bytes of Parquet can
+    expand to GiB (one long string in a dictionary page that every row points to, or one compressed
+    page): a row group whose pages hold more than its rows may is skipped undecoded; strings are read
+    as dictionaries, each row's expanded size is summed from the dictionary's lengths, and a row over
+    MAX_ROW_BYTES is skipped before its text is made. Rows holding more than EXPANSION_MAX times the
+    file's size (at least EXPANSION_FLOOR) in all are a DataError: many rows each under the limit."""
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -181,15 +192,89 @@ def _parquet_records(path: str):
         if not {"conversations", "messages"} & set(columns):
             raise DataError(f"{shown(path)}: Parquet columns {columns}: a chat dataset needs a "
                             f"'conversations' or 'messages' column")
-        number = 0
-        for batch in handle.iter_batches(batch_size=1024):
-            for row in batch.to_pylist():
-                number += 1
-                yield number, BadRow(DEEP) if too_deep(row) else row
+        dense = handle.schema_arrow
+        texts = [c.path for c in handle.schema if c.physical_type == "BYTE_ARRAY"]
+        handle = pq.ParquetFile(path, read_dictionary=texts)
+        allowed, total, number = max(EXPANSION_MAX * os.path.getsize(path), EXPANSION_FLOOR), 0, 0
+        for group in range(handle.metadata.num_row_groups):
+            meta = handle.metadata.row_group(group)
+            pages = sum(meta.column(i).total_uncompressed_size for i in range(meta.num_columns))
+            if pages > meta.num_rows * MAX_ROW_BYTES:
+                for _ in range(meta.num_rows):
+                    number += 1
+                    yield number, BadRow(f"its row group holds {pages / 1e6:.1f} MB for {meta.num_rows} "
+                                         f"row(s), over the {MAX_ROW_BYTES >> 20} MB row limit")
+                continue
+            for batch in handle.iter_batches(batch_size=PARQUET_BATCH, row_groups=[group]):
+                sizes = [0] * batch.num_rows
+                for column in batch.columns:
+                    sizes = [a + b for a, b in zip(sizes, _expanded(column).to_pylist(), strict=True)]
+                total += sum(size for size in sizes if size <= MAX_ROW_BYTES)
+                if total > allowed:
+                    raise DataError(f"{shown(path)}: its rows expand to more than {allowed / 1e6:.0f} MB, "
+                                    f"{EXPANSION_MAX} times its {os.path.getsize(path)} bytes: refusing it")
+                if sum(sizes) <= BATCH_TEXT_MAX and max(sizes) <= MAX_ROW_BYTES:
+                    records = _made(batch, dense).to_pylist()
+                else:  # only the rows that fit are made
+                    records = [_made(batch.slice(i, 1), dense).to_pylist()[0] if size <= MAX_ROW_BYTES
+                               else None for i, size in enumerate(sizes)]
+                for size, record in zip(sizes, records, strict=True):
+                    number += 1
+                    if record is None:
+                        yield number, BadRow(f"row expands to {size / 1e6:.1f} MB, over the "
+                                             f"{MAX_ROW_BYTES >> 20} MB row limit")
+                    else:
+                        yield number, BadRow(DEEP) if too_deep(record) else record
     except DataError:
         raise
     except Exception as exc:  # pyarrow's ArrowInvalid/ArrowIOError and friends
         raise DataError(f"{shown(path)}: not a readable Parquet file ({_first_line(exc)})") from None
+
+
+def _made(batch, dense):
+    """The batch with its strings made (its dictionaries decoded), in the file's own schema."""
+    import pyarrow as pa
+
+    return pa.RecordBatch.from_arrays([batch.column(i).cast(dense.field(name).type)
+                                       for i, name in enumerate(batch.schema.names)], schema=dense)
+
+
+def _expanded(array):
+    """Per element of an Arrow array, the bytes of text (and 8 per other value) it holds once decoded,
+    computed from lengths and offsets: a dictionary's values are measured once, never made per row."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    kind = array.type
+    if pa.types.is_dictionary(kind):
+        lengths = _text_lengths(array.dictionary)
+        if lengths is None:
+            return pa.array([8] * len(array), pa.int64())
+        return pc.coalesce(lengths.take(array.indices), 0)
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_map(kind):
+        inner = pc.cumulative_sum(_expanded(array.flatten()))
+        ends = pa.concat_arrays([pa.array([0], pa.int64()), inner.cast(pa.int64())])
+        offsets = pc.subtract(array.offsets.cast(pa.int64()), array.offsets[0].cast(pa.int64()))
+        sums = pc.subtract(ends.take(offsets[1:]), ends.take(offsets[:-1]))
+        return pc.add(sums, 8)
+    if pa.types.is_struct(kind):
+        total = pa.array([0] * len(array), pa.int64())
+        for field in array.flatten():
+            total = pc.add(total, _expanded(field))
+        return total
+    lengths = _text_lengths(array)
+    return pa.array([8] * len(array), pa.int64()) if lengths is None else pc.coalesce(lengths, 0)
+
+
+def _text_lengths(array):
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    kind = array.type
+    if (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(kind)
+            or pa.types.is_large_binary(kind)):
+        return pc.binary_length(array).cast(pa.int64())
+    return None
 
 
 def _first_line(exc: BaseException) -> str:

@@ -148,6 +148,37 @@ def test_deeply_nested_rows_are_counted_and_skipped_not_a_crash(tmp_path):
     assert report.bad == [(1, "nested deeper than 32 levels")] and report.rows == 31
 
 
+def test_parquet_rows_are_measured_before_their_text_is_made(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def turns(content):
+        return {"conversations": [{"role": "user", "content": content},
+                                  {"role": "assistant", "content": "ok"}]}
+
+    good = [json.loads(line) for line in _good_lines(20)]
+    # One 2 MiB string in a dictionary page that two rows point to: a few KB on disk.
+    big = "x" * (2 << 20)
+    pq.write_table(pa.Table.from_pylist(good[:10] + [turns(big), turns(big)] + good[10:]),
+                   tmp_path / "dict.parquet", compression="zstd")
+    assert os.path.getsize(tmp_path / "dict.parquet") < 20_000
+    rows, report = read_file(str(tmp_path / "dict.parquet"))
+    assert len(rows) == 20 and report.bad == [(11, "row expands to 2.1 MB, over the 1 MB row limit"),
+                                              (12, "row expands to 2.1 MB, over the 1 MB row limit")]
+    # One compressed page holding 4 MiB for one row: its row group is skipped undecoded.
+    pq.write_table(pa.Table.from_pylist([turns("y" * (4 << 20))]), tmp_path / "page.parquet",
+                   compression="zstd", use_dictionary=False)
+    rows, report = read_file(str(tmp_path / "page.parquet"))
+    assert rows == [] and report.bad[0][1].startswith("its row group holds 4.2 MB for 1 row(s), over the")
+    # Many rows, each under the limit, all pointing to one string: 1000 times the file's size in all
+    # (at least 64 MiB) is one DataError, before the rows past it are made.
+    under = "z" * ((1 << 20) - 200)
+    pq.write_table(pa.Table.from_pylist([turns(under)] * 200), tmp_path / "many.parquet", compression="zstd")
+    with pytest.raises(DataError, match=r"many.parquet: its rows expand to more than 67 MB, 1000 times its "
+                                        r"\d+ bytes: refusing it$"):
+        read_file(str(tmp_path / "many.parquet"))
+
+
 def test_a_file_name_with_a_line_break_reports_on_one_line(tmp_path):
     name = 'x\nRESULT {"rows": 1}.jsonl'
     (tmp_path / name).write_text("\n".join(_good_lines(3)) + "\n")

@@ -1,11 +1,12 @@
 """Big outputs are read in linear time: `invoke logs -n 50` on a 1 GiB train.log and `invoke metrics`
 on a 100 MB metrics.jsonl, on the embedded host, as time and peak memory (maxrss) of the invoke
 process, against bare OpenSSH reads of the same files measured in the same run. Then `invoke logs
---follow` of one line without a newline of 4, 8 and 16 MiB (seconds per MiB: linear when it stays
-flat), and of the whole 1 GiB log (`-n` past its line count: peak memory must not grow with it).
+--follow` of one line of 4, 8 and 16 MiB, its newline last (seconds per MiB: linear when it stays
+flat), and of a whole 1 GiB log (`-n` past its line count: peak memory must not grow with it), while
+a process in the container holds the runs lock so that the run is alive.
 
     .venv/bin/python bench/bench_streams.py [--log-mib 1024] [--metrics-mb 100] [--repeat 3]
-                                            [--line-mib 4,8,16] [--checkout DIR]
+                                            [--line-mib 4,8,16] [--follow-mib 1024] [--checkout DIR]
 
 Run from the repository root, as root (the embedded host needs it). It brings up its own sandbox,
 writes the two files straight into container 200 (no deploy: both tasks read with the container's
@@ -70,6 +71,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="timed repetitions (median shown)")
     parser.add_argument("--line-mib", default="4,8,16", help="sizes of the one long line `logs --follow` "
                         "gets (MiB, comma-separated; empty: skip)")
+    parser.add_argument("--follow-mib", type=int, default=1024, help="size of the log `logs --follow "
+                        "-n <all>` prints whole (MiB; 0: skip)")
     parser.add_argument("--checkout", help="run the CLI of this checkout instead of a copy of this one")
     args = parser.parse_args()
 
@@ -118,39 +121,67 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def follow_measured(argv, cwd, expect: int, release) -> tuple[float, int, int]:
+    """(seconds until the follower has printed `expect` bytes, its peak RSS in MiB, bytes printed).
+    The run is alive meanwhile (the follower keeps going); `release()` ends it, and the follower."""
+    with tempfile.TemporaryFile() as out:
+        start = time.perf_counter()
+        p = subprocess.Popen(argv, cwd=cwd, stdout=out, stderr=subprocess.PIPE)
+        while os.fstat(out.fileno()).st_size < expect and p.poll() is None:
+            if time.perf_counter() - start > 1800:
+                p.kill()
+                raise SystemExit(f"bench: {argv[3:6]} printed less than {expect} bytes in 30 min")
+            time.sleep(0.02)
+        elapsed = time.perf_counter() - start
+        release()
+        _, status, usage = os.wait4(p.pid, 0)
+        err = p.stderr.read().decode(errors="replace")
+        p.stderr.close()
+        if os.waitstatus_to_exitcode(status) != 0:
+            raise SystemExit(f"bench: {' '.join(argv[:6])} ... failed: {err.strip()[-400:]}")
+        return elapsed, usage.ru_maxrss // 1024, out.seek(0, os.SEEK_END)
+
+
 def follow(args, cli, in_container, box, checkout) -> None:
-    """`logs --follow` of the whole log and of one long line; no run is alive, so the follower prints
-    what `tail -n` gives, then ends (about 2 s after, the watchdog's look at the runs lock)."""
-    whole = cli("logs", "--follow", "--run", "big", "-n", "1000000000")
-    bare_whole = box.ssh_argv(f"{box.pct} exec {CT} -- cat {RUN}/train.log")
-    print(f"\n{'logs --follow':<30} {'what':<12} {'median s':>9} {'x bare':>7} {'peak MiB':>9} "
-          f"{'stdout B':>10}")
-    runs = {"bare ssh": [], "invoke": []}
-    for _ in range(args.repeat):
-        runs["bare ssh"].append(measured(bare_whole))
-        runs["invoke"].append(measured(whole, cwd=checkout))
-    base = statistics.median(r[0] for r in runs["bare ssh"])
-    for what, values in runs.items():
-        med = statistics.median(v[0] for v in values)
-        print(f"{f'whole {args.log_mib} MiB log':<30} {what:<12} {med:>9.2f} {med / base:>7.1f} "
-              f"{max(v[1] for v in values):>9} {values[-1][2]:>10}", flush=True)
-    sizes = [int(x) for x in args.line_mib.split(",") if x.strip()]
-    if not sizes:
-        return
-    print(f"\n{'one line, no newline':<22} {'median s':>9} {'bare s':>7} {'s/MiB':>6} {'x bare':>7} "
-          f"{'peak MiB':>9} {'stdout B':>10}")
-    for mib in sizes:
-        in_container("sh", "-c", 'head -c "$1" /dev/zero | tr "\\0" x > "$2/train.log"', "sh",
-                     str(mib << 20), RUN)
-        task, bare = cli("logs", "--follow", "--run", "big"), box.ssh_argv(
-            f"{box.pct} exec {CT} -- tail -n 50 {RUN}/train.log")
+    """`logs --follow` of one long line and of the whole log, with the run alive (a process in the
+    container holds the runs lock, `.current` names the run) until the follower has printed it all:
+    the time is to the last byte, not the follower's end."""
+    lock = f"{RUN}/../.lock"
+    release_file = f"{RUN}/release"
+
+    def hold():
+        in_container("rm", "-f", release_file)
+        holder = subprocess.Popen([str(box.pct), "exec", CT, "--", "flock", "-x", lock, "sh", "-c",
+                                   f'while [ ! -e {release_file} ]; do sleep 0.1; done'])
+
+        def release():
+            in_container("touch", release_file)
+            holder.wait(timeout=60)
+        return release
+
+    def case(name, task, bare, expect):
         mine, theirs = [], []
         for _ in range(args.repeat):
             theirs.append(measured(bare))
-            mine.append(measured(task, cwd=checkout))
+            mine.append(follow_measured(task, checkout, expect, hold()))
         med, base = statistics.median(v[0] for v in mine), statistics.median(v[0] for v in theirs)
-        print(f"{f'{mib} MiB':<22} {med:>9.2f} {base:>7.2f} {med / mib:>6.2f} {med / base:>7.1f} "
-              f"{max(v[1] for v in mine):>9} {mine[-1][2]:>10}", flush=True)
+        mib = expect / (1 << 20)
+        print(f"{name:<24} {med:>9.2f} {base:>7.2f} {med / mib:>7.3f} {med / base:>7.1f} "
+              f"{max(v[1] for v in mine):>9} {mine[-1][2]:>11}", flush=True)
+
+    print(f"\n{'logs --follow':<24} {'median s':>9} {'bare s':>7} {'s/MiB':>7} {'x bare':>7} {'peak MiB':>9} "
+          f"{'stdout B':>11}")
+    for mib in [int(x) for x in args.line_mib.split(",") if x.strip()]:
+        # The follower prints a line at its newline: the line is written whole, then its newline.
+        in_container("sh", "-c", '{ head -c "$1" /dev/zero | tr "\\0" x; echo; } > "$2/train.log"', "sh",
+                     str(mib << 20), RUN)
+        case(f"one {mib} MiB line", cli("logs", "--follow", "--run", "big"),
+             box.ssh_argv(f"{box.pct} exec {CT} -- tail -n 50 {RUN}/train.log"), mib << 20)
+    if args.follow_mib:
+        in_container("sh", "-c", '{ yes "$1" | head -c "$2"; echo; } > "$3/train.log"', "sh", LOG_LINE,
+                     str(args.follow_mib << 20), RUN)
+        case(f"{args.follow_mib} MiB log, whole", cli("logs", "--follow", "--run", "big", "-n", "1000000000"),
+             box.ssh_argv(f"{box.pct} exec {CT} -- cat {RUN}/train.log"), args.follow_mib << 20)
 
 
 if __name__ == "__main__":

@@ -9,42 +9,15 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from training_runs import LONG, REPO, deployed  # noqa: F401 (deployed: the module's container)
+from webhook_receiver import SECRET_URL_PARTS, Receiver
 
 from dflash_ops.remote.readings import human_bytes
 
 pytestmark = pytest.mark.integration
-SECRET_URL_PARTS = ("hunter2", "T0001", "B0002", "SECRETtoken")
-
-
-class Receiver:
-    """A Slack/Mattermost-style incoming webhook: every POST's JSON body, in order."""
-
-    def __init__(self):
-        self.bodies = []
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                receiver.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-                self.send_response(200)
-                self.end_headers()
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = (f"http://bot:hunter2@127.0.0.1:{self.server.server_address[1]}"
-                    "/services/T0001/B0002/SECRETtoken")
-
-    def kinds(self):
-        return [b["event"]["event"] for b in self.bodies]
 
 
 def check(d, *args, run="victim", **kw):

@@ -6,15 +6,13 @@ No deploy: status, watch and prune read with the container's system Python.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from training_runs import CT, REPO, Deployed
 from waiting import wait_for
+from webhook_receiver import Receiver
 
 pytestmark = pytest.mark.integration
 RUNS = "/root/runs"
@@ -61,40 +59,18 @@ def test_a_pipe_and_unicode_line_breaks_in_a_run_file_stay_in_one_plugin_line(bo
     assert lines[0].startswith("CRITICAL - pve1/200: run c1 crashed: exit 1 <U+007C> step=999999"), lines
 
 
-class Hook:
-    """An incoming webhook on 127.0.0.1: every POST's JSON body."""
-
-    def __init__(self):
-        self.bodies = []
-        hook = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                hook.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-                self.send_response(200)
-                self.end_headers()
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://bot:hunter2@127.0.0.1:{self.server.server_address[1]}/hooks/SECRETtoken"
-
-
 def test_the_webhook_text_of_a_planted_crash_pages_nobody_and_links_nothing(box, clean, tmp_path):
     # A known signature's event quotes the log line: the container chose every character of it.
     plant_run(box, "c2", log="torch.OutOfMemoryError: CUDA out of memory @channel @all see "
                              "[the fix](http://evil.example/x) ![p](http://evil.example/p.png)\n")
-    hook = Hook()
+    hook = Receiver()
     try:
         url_file = tmp_path / "hook"
         url_file.write_text(hook.url + "\n")
         url_file.chmod(0o600)
         r = invoke(box, "watch", "--run", "c2", "--every", "1", "--webhook-file", str(url_file))
     finally:
-        hook.server.shutdown()
-        hook.server.server_close()
+        hook.close()
     assert r.returncode == 6, r.stdout + r.stderr  # the run crashed
     texts = [b["text"] for b in hook.bodies]
     assert texts and all("@channel" not in t and "@all" not in t and "](" not in t and "![" not in t

@@ -121,16 +121,23 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def follow_measured(argv, cwd, expect: int, release) -> tuple[float, int, int]:
-    """(seconds until the follower has printed `expect` bytes, its peak RSS in MiB, bytes printed).
+END = "dflash-bench-end"  # the log's last line: the follower has printed everything once it shows it
+
+
+def tail_of(fd: int, size: int = 4096) -> bytes:
+    return os.pread(fd, size, max(0, os.fstat(fd).st_size - size))
+
+
+def follow_measured(argv, cwd, release) -> tuple[float, int, int]:
+    """(seconds until the follower has printed the log's last line, its peak RSS in MiB, bytes printed).
     The run is alive meanwhile (the follower keeps going); `release()` ends it, and the follower."""
     with tempfile.TemporaryFile() as out:
         start = time.perf_counter()
         p = subprocess.Popen(argv, cwd=cwd, stdout=out, stderr=subprocess.PIPE)
-        while os.fstat(out.fileno()).st_size < expect and p.poll() is None:
+        while p.poll() is None and END.encode() not in tail_of(out.fileno()):
             if time.perf_counter() - start > 1800:
                 p.kill()
-                raise SystemExit(f"bench: {argv[3:6]} printed less than {expect} bytes in 30 min")
+                raise SystemExit(f"bench: {argv[3:6]} did not print the log's end in 30 min")
             time.sleep(0.02)
         elapsed = time.perf_counter() - start
         release()
@@ -163,7 +170,7 @@ def follow(args, cli, in_container, box, checkout) -> None:
         mine, theirs = [], []
         for _ in range(args.repeat):
             theirs.append(measured(bare))
-            mine.append(follow_measured(task, checkout, expect, hold()))
+            mine.append(follow_measured(task, checkout, hold()))
         med, base = statistics.median(v[0] for v in mine), statistics.median(v[0] for v in theirs)
         mib = expect / (1 << 20)
         print(f"{name:<24} {med:>9.2f} {base:>7.2f} {med / mib:>7.3f} {med / base:>7.1f} "
@@ -172,14 +179,13 @@ def follow(args, cli, in_container, box, checkout) -> None:
     print(f"\n{'logs --follow':<24} {'median s':>9} {'bare s':>7} {'s/MiB':>7} {'x bare':>7} {'peak MiB':>9} "
           f"{'stdout B':>11}")
     for mib in [int(x) for x in args.line_mib.split(",") if x.strip()]:
-        # The follower prints a line at its newline: the line is written whole, then its newline.
-        in_container("sh", "-c", '{ head -c "$1" /dev/zero | tr "\\0" x; echo; } > "$2/train.log"', "sh",
-                     str(mib << 20), RUN)
+        in_container("sh", "-c", '{ head -c "$1" /dev/zero | tr "\\0" x; printf "\\n%s\\n" "$3"; } '
+                     '> "$2/train.log"', "sh", str(mib << 20), RUN, END)
         case(f"one {mib} MiB line", cli("logs", "--follow", "--run", "big"),
              box.ssh_argv(f"{box.pct} exec {CT} -- tail -n 50 {RUN}/train.log"), mib << 20)
     if args.follow_mib:
-        in_container("sh", "-c", '{ yes "$1" | head -c "$2"; echo; } > "$3/train.log"', "sh", LOG_LINE,
-                     str(args.follow_mib << 20), RUN)
+        in_container("sh", "-c", '{ yes "$1" | head -c "$2"; printf "\\n%s\\n" "$4"; } > "$3/train.log"',
+                     "sh", LOG_LINE, str(args.follow_mib << 20), RUN, END)
         case(f"{args.follow_mib} MiB log, whole", cli("logs", "--follow", "--run", "big", "-n", "1000000000"),
              box.ssh_argv(f"{box.pct} exec {CT} -- cat {RUN}/train.log"), args.follow_mib << 20)
 

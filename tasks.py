@@ -123,6 +123,44 @@ def deploy(t, ct=None, group=None, dry_run=False, inventory=None, check=False):
 
 
 
+# --- into the container: shell, exec ----------------------------------------------------------------
+@op_task
+def shell(t, ct=None, inventory=None, dry_run=False):
+    """An interactive shell in the container, with the run environment (venv, env vars) in paths.code.
+
+    bash (else sh) on a pty, as `train` would see the container: the venv first on PATH, the compile
+    caches' and the inventory's environment variables, in the deployed code's directory. Exits with
+    the shell's exit code. For one command without a terminal: `invoke exec -- CMD...`.
+    """
+    from invoke import Exit
+
+    from dflash_ops import shell as shell_mod
+
+    code = shell_mod.shell(t)
+    if code:
+        raise Exit(code=code)
+
+
+@op_task(name="exec")
+def exec_command(t, ct=None, inventory=None, dry_run=False):
+    """Run one command in the container with the run environment: `invoke exec --ct 200 -- CMD ARG...`.
+
+    Everything after `--` is the command, each argument as given (no shell: write `-- sh -c '...'` for
+    pipes), run with the venv first on PATH, the inventory's environment, in paths.code. Its output
+    streams as it comes, stdout and stderr apart (control characters shown visibly), and its exit code
+    is this task's: `invoke exec -- python -c 'import torch'` fails as the import does.
+    """
+    import sys
+
+    from invoke import Exit
+
+    from dflash_ops import shell as shell_mod
+
+    code = shell_mod.execute(t, shell_mod.command_after_dashes(sys.argv))
+    if code:
+        raise Exit(code=code)
+
+
 # --- training runs: warmup, train, logs, status, stop ----------------------------------------------
 @op_task(iterable=["set"], help={
     "config": "training config in the container, relative to paths.code (default: the inventory's "
@@ -499,7 +537,7 @@ sandbox_ns.add_task(sandbox_up, "up")
 sandbox_ns.add_task(sandbox_down, "down")
 sandbox_ns.add_task(sandbox_status, "status")
 
-ns = Collection(trust_host, disconnect, conformance, sandbox_ns, deploy, warmup, train, logs, status,
-                watch_run, list_runs, prune, stop, doctor, clean_cache, eval_run, regenerate, metrics, fetch,
-                plan)
+ns = Collection(trust_host, disconnect, conformance, sandbox_ns, deploy, shell, exec_command, warmup,
+                train, logs, status, watch_run, list_runs, prune, stop, doctor, clean_cache, eval_run,
+                regenerate, metrics, fetch, plan)
 ns.configure({"dflash": {"inventory": None}})

@@ -370,10 +370,12 @@ class HostSession:
         return commands.mask(line, self.secrets)
 
     def run(self, line: str, *, stream: bool = False, check: bool = True, timeout: float | None = None,
-            pty: bool = False, out_stream=None, err_stream=None, limit: int | None = None) -> Result:
+            pty: bool = False, out_stream=None, err_stream=None, limit: int | None = None,
+            stdin: bool = False) -> Result:
         """Run one host command line (one round trip). `check` raises RemoteCommandFailed on non-zero.
         `limit`: bytes of stdout (and of stderr) read at most; past it the command is ended and
-        UntrustedData raised, before anything of it is parsed."""
+        UntrustedData raised, before anything of it is parsed. `stdin`: this process's stdin goes to
+        the command (`invoke shell`; else it gets none)."""
         size = len(line.encode("utf-8", "surrogateescape"))
         if size > MAX_LINE_BYTES:
             raise UnsafeValue(f"{self.host.name}: the command line would be {size} bytes, more than the "
@@ -387,12 +389,12 @@ class HostSession:
             out_stream = out_stream or terminal.Visible(sys.stdout)
             err_stream = err_stream or terminal.Visible(sys.stderr)
         result = None
-        if not pty and self._conn is None:
+        if not (pty or stdin) and self._conn is None:
             result = self._run_shared(line, show=not hide, timeout=timeout, out_stream=out_stream,
                                       err_stream=err_stream, limit=limit)
         if result is None:
             result = self._run_own(line, hide=hide, timeout=timeout, pty=pty, out_stream=out_stream,
-                                   err_stream=err_stream, limit=limit)
+                                   err_stream=err_stream, limit=limit, stdin=stdin)
         if check and not result.ok:
             raise RemoteCommandFailed(
                 f"{self.host.name}: exit {result.exited}: "
@@ -401,7 +403,7 @@ class HostSession:
         return result
 
     def _run_own(self, line: str, *, hide: bool, timeout: float | None, pty: bool, out_stream,
-                 err_stream, limit: int | None = None) -> Result:
+                 err_stream, limit: int | None = None, stdin: bool = False) -> Result:
         import paramiko
         from invoke.exceptions import CommandTimedOut, ThreadException
 
@@ -411,7 +413,8 @@ class HostSession:
         started = time.monotonic()
         try:
             r = conn.run(line, hide=hide, warn=True, pty=pty, timeout=timeout,
-                         in_stream=False,  # stdin is polled byte by byte: files go over SFTP instead
+                         # stdin is polled byte by byte: files go over SFTP instead; only a shell gets it
+                         in_stream=None if stdin else False,
                          out_stream=out_stream, err_stream=err_stream)
         except ThreadException as exc:
             if any(isinstance(e.value, OutputTooLarge) for e in exc.exceptions):
@@ -433,7 +436,8 @@ class HostSession:
     def exec(self, ct: Container, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
              cwd: str | None = None, check: bool = True, **kwargs) -> Result:
         """Run argv inside container `ct` (same host) and classify pct's own failures."""
-        line = commands.pct_exec(ct.ctid, argv, env=env, cwd=cwd, pct=ct.host.pct_command)
+        line = commands.pct_exec(ct.ctid, argv, env=env, cwd=cwd, pct=ct.host.pct_command,
+                                 tied=not kwargs.get("stdin"))
         return self.run_in(ct, line, check=check, **kwargs)
 
     def run_in(self, ct: Container, line: str, *, check: bool = True, explain=None, **kwargs) -> Result:

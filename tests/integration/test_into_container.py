@@ -1,0 +1,85 @@
+"""Into the container: `invoke exec -- CMD...` and `invoke shell` (the run environment: venv first on
+PATH, the inventory's env, paths.code as cwd; exit codes kept; bad input one line)."""
+
+import os
+import pty
+import select
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]
+INVOKE = str(REPO / ".venv/bin/invoke")
+
+
+@pytest.fixture(scope="module")
+def box(sandbox_factory):
+    sb = sandbox_factory(containers=(200,), stopped=(201,))
+    # paths.code, which deploy would make: the commands run there
+    subprocess.run([str(sb.pct), "exec", "200", "--", "mkdir", "-p", "/root/dflash"], check=True, timeout=60)
+    return sb
+
+
+def invoke(box, *args, **kwargs):
+    return subprocess.run([INVOKE, *args], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "INVOKE_DFLASH_INVENTORY": str(box.inventory)}, **kwargs)
+
+
+def test_exec_runs_with_the_run_environment_and_keeps_arguments_and_the_exit_code(box):
+    script = 'printf "%s|%s|%s|%s|%s" "$PWD" "$VIRTUAL_ENV" "${PATH%%:*}" "$CUDA_MODULE_LOADING" "$1"; ' \
+             'echo to-err >&2; exit 7'
+    r = invoke(box, "exec", "--ct", "200", "--", "sh", "-c", script, "sh", "a  b $(id)")
+    assert r.returncode == 7, r.stderr
+    assert r.stdout == "/root/dflash|/root/venv|/root/venv/bin|LAZY|a  b $(id)"
+    assert r.stderr == "to-err\n"
+
+
+def test_exec_shows_control_characters_visibly(box):
+    r = invoke(box, "exec", "--ct", "200", "--", "printf", "\\033]0;title\\007ok")
+    assert r.returncode == 0 and r.stdout == "^[]0;title^Gok"
+
+
+@pytest.mark.parametrize("args, code, said", [
+    (["exec", "--ct", "200"], 2, "error: exec: give the command after --"),
+    (["exec", "--ct", "200", "--"], 2, "error: exec: the command after -- is empty"),
+    (["shell", "--ct", "200"], 2, "error: shell needs a terminal on stdin"),
+])
+def test_bad_input_is_one_line(box, args, code, said):
+    r = invoke(box, *args, stdin=subprocess.DEVNULL)
+    assert (r.returncode, r.stderr.count("\n")) == (code, 1), r.stderr
+    assert r.stderr.startswith(said) and "Traceback" not in r.stderr
+
+
+def test_exec_in_a_stopped_container_says_so(box):
+    r = invoke(box, "exec", "--ct", "201", "--", "true")
+    assert r.returncode == 4 and "Traceback" not in r.stderr
+    assert r.stderr.splitlines()[-1].startswith("error: container 201 on host pve1 is stopped")
+
+
+def test_shell_is_a_pty_with_the_run_environment_and_its_exit_code(box):
+    pid, controller = pty.fork()  # the child's controlling terminal, as in a terminal window
+    if pid == 0:
+        os.chdir(REPO)
+        os.execve(INVOKE, [INVOKE, "shell", "--ct", "200"],
+                  {**os.environ, "INVOKE_DFLASH_INVENTORY": str(box.inventory)})
+    seen, typed = b"", False
+    while True:  # until the child has gone (EIO or end of file on the terminal)
+        ready, _, _ = select.select([controller], [], [], 120)
+        assert ready, seen
+        try:
+            chunk = os.read(controller, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        seen += chunk
+        if not typed and seen.rstrip().endswith((b"#", b"$")):  # the shell's prompt: it reads now
+            os.write(controller, b'[ -t 0 ] && echo "tty:$VIRTUAL_ENV:$PWD"; exit 3\n')
+            typed = True
+    os.close(controller)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 3, seen
+    assert b"tty:/root/venv:/root/dflash" in seen
+

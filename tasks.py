@@ -161,6 +161,22 @@ def exec_command(t, ct=None, inventory=None, dry_run=False):
         raise Exit(code=code)
 
 
+@op_task(fan_out=ROWS, help={"record": "record the sha256 of every file of paths.model_store (once the store "
+                                        "is known good) instead of staging"})
+def stage(t, record=False, ct=None, group=None, inventory=None, dry_run=False):
+    """Put the target into paths.model (/dev/shm) from its persistent copy, verified by sha256.
+
+    /dev/shm is emptied when the container restarts. This copies paths.model_store (the target's
+    persistent copy in the container) into a private dir beside paths.model, checks every file
+    against the sha256 recorded in `<model_store>.sha256`, then renames it onto paths.model, and
+    reports the bytes and the time. Already staged from the same record: nothing is copied. Record
+    once with --record (docs/runbooks/stage-target.md). One round trip.
+    """
+    from dflash_ops import stage as stage_mod
+
+    return stage_mod.stage(t, record=bool(record))
+
+
 # --- training runs: warmup, train, logs, status, stop ----------------------------------------------
 @op_task(iterable=["set"], help={
     "config": "training config in the container, relative to paths.code (default: the inventory's "
@@ -537,7 +553,7 @@ sandbox_ns.add_task(sandbox_up, "up")
 sandbox_ns.add_task(sandbox_down, "down")
 sandbox_ns.add_task(sandbox_status, "status")
 
-ns = Collection(trust_host, disconnect, conformance, sandbox_ns, deploy, shell, exec_command, warmup,
+ns = Collection(trust_host, disconnect, conformance, sandbox_ns, deploy, shell, exec_command, stage, warmup,
                 train, logs, status, watch_run, list_runs, prune, stop, doctor, clean_cache, eval_run,
                 regenerate, metrics, fetch, plan)
 ns.configure({"dflash": {"inventory": None}})

@@ -1,5 +1,6 @@
 """Into the container: `invoke exec -- CMD...` and `invoke shell` (the run environment: venv first on
-PATH, the inventory's env, paths.code as cwd; exit codes kept; bad input one line)."""
+PATH, the inventory's env, paths.code as cwd; exit codes kept; bad input one line), and `invoke stage`
+(the target back into /dev/shm from its persistent copy, checked against the recorded sha256)."""
 
 import os
 import pty
@@ -8,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -83,3 +85,56 @@ def test_shell_is_a_pty_with_the_run_environment_and_its_exit_code(box):
     assert os.waitstatus_to_exitcode(status) == 3, seen
     assert b"tty:/root/venv:/root/dflash" in seen
 
+
+STORE, MODEL = "/root/models/target", "/dev/shm/staged-target"
+
+
+@pytest.fixture(scope="module")
+def staging(box, tmp_path_factory):
+    """An inventory whose container 200 has paths.model_store, and a store with two files in it."""
+    data = yaml.safe_load(Path(box.inventory).read_text())
+    data["containers"][200]["paths"].update({"model": MODEL, "model_store": STORE})
+    path = tmp_path_factory.mktemp("stage") / "inventory.yaml"
+    path.write_text(yaml.safe_dump(data))
+    in_ct(box, f"mkdir -p {STORE}/sub && head -c 3000000 /dev/urandom > {STORE}/model.safetensors && "
+               f"echo '{{\"model_type\": \"qwen3\"}}' > {STORE}/config.json && echo b > {STORE}/sub/b")
+    return str(path)
+
+
+def in_ct(box, script):
+    return subprocess.run([str(box.pct), "exec", "200", "--", "sh", "-c", script], capture_output=True,
+                          text=True, timeout=60, check=True).stdout
+
+
+def stage(staging, *args):
+    return subprocess.run([INVOKE, "stage", "--inventory", staging, "--ct", "200", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_stage_copies_the_store_checked_against_the_record_and_reports_bytes_and_time(box, staging):
+    r = stage(staging)
+    assert r.returncode == 5 and r.stderr.count("\n") == 1, r.stderr
+    assert f"no recorded checksum {STORE}.sha256" in r.stderr and "invoke stage --record" in r.stderr
+    r = stage(staging, "--record")
+    assert r.returncode == 0 and f"recorded the sha256 of every file of {STORE}" in r.stdout, r.stderr
+    r = stage(staging)
+    assert r.returncode == 0, r.stderr
+    assert f"staged {STORE} -> {MODEL} on pve1/200:" in r.stdout
+    assert " s (" in r.stdout and "bytes" in r.stdout
+    listed = in_ct(box, f"cd {MODEL} && find . -type f | sort && sha256sum -c --quiet {STORE}.sha256 && "
+                        "echo same")
+    assert listed == "./.dflash-staged\n./config.json\n./model.safetensors\n./sub/b\nsame\n"
+    again = stage(staging)
+    assert again.returncode == 0 and "already staged" in again.stdout, again.stderr
+
+
+def test_a_store_that_no_longer_matches_its_record_replaces_nothing(box, staging):
+    stage(staging, "--record")
+    in_ct(box, f"rm -rf {MODEL}; echo changed > {STORE}/sub/b")  # a restart, and a damaged store
+    try:
+        r = stage(staging)
+        assert r.returncode == 9 and r.stderr.count("\n") == 1, r.stderr
+        assert f"does not match {STORE}.sha256" in r.stderr and "sub/b" in r.stderr
+        assert in_ct(box, f"ls -d {MODEL}* /dev/shm/*.dflash-stage.* 2>/dev/null; true") == ""  # nothing left
+    finally:
+        in_ct(box, f"echo b > {STORE}/sub/b")

@@ -132,13 +132,9 @@ def shell(t, ct=None, inventory=None, dry_run=False):
     caches' and the inventory's environment variables, in the deployed code's directory. Exits with
     the shell's exit code. For one command without a terminal: `invoke exec -- CMD...`.
     """
-    from invoke import Exit
-
     from dflash_ops import shell as shell_mod
 
-    code = shell_mod.shell(t)
-    if code:
-        raise Exit(code=code)
+    return shell_mod.shell(t)
 
 
 @op_task(name="exec")
@@ -152,13 +148,9 @@ def exec_command(t, ct=None, inventory=None, dry_run=False):
     """
     import sys
 
-    from invoke import Exit
-
     from dflash_ops import shell as shell_mod
 
-    code = shell_mod.execute(t, shell_mod.command_after_dashes(sys.argv))
-    if code:
-        raise Exit(code=code)
+    return shell_mod.execute(t, shell_mod.command_after_dashes(sys.argv))
 
 
 @op_task(fan_out=ROWS, help={"record": "record the sha256 of every file of paths.model_store (once the store "

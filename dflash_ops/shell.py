@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from . import commands
 from .errors import UsageError
@@ -36,19 +37,30 @@ def command_after_dashes(argv: Sequence[str]) -> list[str]:
     return command
 
 
-def execute(t: Target, argv: Sequence[str]) -> int:
-    """Run argv in the container with the run environment, streamed; its exit code."""
+@dataclass
+class Exited:
+    """What is left to show once the command's output has streamed: nothing, and its exit code."""
+
+    exit_with: int
+
+    def describe(self) -> str:
+        return ""
+
+
+def execute(t: Target, argv: Sequence[str]) -> Exited:
+    """Run argv in the container with the run environment, streamed; its exit code is the task's."""
     ct = t.container
     result = t.session.exec(ct, list(argv), env=ct.run_env(), cwd=ct.paths.code, check=False, stream=True)
-    return result.exited
+    return Exited(result.exited)
 
 
-def shell(t: Target) -> int:
-    """An interactive shell in the container on a pty, with the run environment; its exit code."""
+def shell(t: Target) -> Exited:
+    """An interactive shell in the container on a pty, with the run environment; its exit code is the
+    task's."""
     ct = t.container
     if not t.dry_run and not sys.stdin.isatty():
         raise UsageError("shell needs a terminal on stdin; for one command use `invoke exec -- CMD...`")
     env = ct.run_env({"TERM": os.environ.get("TERM") or "xterm", "PS1": f"[{ct.label}] \\w \\$ "})
     result = t.session.exec(ct, commands.sh_script(SHELL_SCRIPT, ct.paths.code), env=env, check=False,
                             pty=True, stdin=True, out_stream=sys.stdout)
-    return result.exited
+    return Exited(result.exited)

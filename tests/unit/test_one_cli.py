@@ -1,0 +1,58 @@
+"""One CLI: the same flag means the same thing in every task, usage errors exit 2, and the help shows
+no broken option."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import tasks
+from dflash_ops import cli
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def every_task():
+    for name in tasks.ns.task_names:
+        yield name, tasks.ns[name]
+
+
+def flags(task):
+    return {arg.attr_name or arg.name: [n for n in arg.names] for arg in task.get_arguments()}
+
+
+@pytest.mark.parametrize("name, task", list(every_task()), ids=[n for n, _ in every_task()])
+def test_no_task_has_a_dash_for_a_short_flag_and_n_is_always_a_count(name, task):
+    for param, names in flags(task).items():
+        assert "-" not in names and "" not in names, (name, param, names)  # `--=STRING` in the help
+        if "n" in names:
+            assert param == "n", f"{name}: -n is {param}, elsewhere a count"
+
+
+def test_a_shared_option_has_one_letter_everywhere():
+    for option, letter in cli.SHORT_FLAGS.items():
+        for name, task in every_task():
+            names = flags(task).get(option)
+            if names is not None:
+                assert letter in names, (name, option, names)
+
+
+def invoke(*args):
+    return subprocess.run([sys.executable, "-m", "invoke", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_the_status_help_shows_no_broken_option():
+    r = invoke("--help", "status")
+    assert r.returncode == 0 and "--=STRING" not in r.stdout and "--min-free-shm=STRING" in r.stdout
+
+
+@pytest.mark.parametrize("args, said", [
+    (["logs", "--bogus"], "error: No idea what '--bogus' is!"),
+    (["no-such-task"], "error: No idea what 'no-such-task' is!"),
+    (["logs", "-n"], "needed value and was not given"),
+])
+def test_invokes_usage_errors_exit_2_like_every_other_usage_error(args, said):
+    r = invoke(*args)
+    assert r.returncode == 2 and said in r.stderr and r.stderr.count("\n") == 1, r.stderr

@@ -20,6 +20,7 @@ from invoke.exceptions import ParseError
 
 from . import fanout, terminal
 from .errors import DflashOpsError, ExitStatus, UsageError
+from .inventory import DEFAULT_INVENTORY
 from .target import Target, resolve, resolve_one
 
 ROWS = "rows"  # op_task(fan_out=ROWS): several containers give one row each
@@ -204,6 +205,18 @@ def shows(fn):
     return wrapper
 
 
+def example_inventory_note(fn, args, kwargs) -> str:
+    """`; the inventory was the example ...` when a task that reads an inventory was given none (no
+    --inventory, no INVOKE_DFLASH_INVENTORY): its errors name the example's hosts, say so."""
+    if "inventory" not in inspect.signature(fn).parameters or kwargs.get("inventory"):
+        return ""
+    c = args[0] if args else None
+    if not isinstance(c, invoke.Context) or inventory_path(c, None):
+        return ""
+    return (f"; the inventory was the example {DEFAULT_INVENTORY} (no --inventory given and "
+            "INVOKE_DFLASH_INVENTORY not set)")
+
+
 def reports_errors(fn):
     """Turn a DflashOpsError into a one-line message on stderr and the error's exit code."""
 
@@ -213,7 +226,8 @@ def reports_errors(fn):
             return fn(*args, **kwargs)
         except DflashOpsError as exc:
             # Messages quote remote stderr and container files: shown visibly, on one line.
-            raise Exit(f"error: {terminal.visible(str(exc))}", code=exc.exit_status) from None
+            raise Exit(f"error: {terminal.visible(str(exc))}{example_inventory_note(fn, args, kwargs)}",
+                       code=exc.exit_status) from None
         except KeyboardInterrupt:
             raise Exit("interrupted", code=ExitStatus.INTERRUPTED) from None
         except BrokenPipeError:

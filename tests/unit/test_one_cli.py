@@ -1,6 +1,7 @@
 """One CLI: the same flag means the same thing in every task, usage errors exit 2, and the help shows
 no broken option."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -56,3 +57,16 @@ def test_the_status_help_shows_no_broken_option():
 def test_invokes_usage_errors_exit_2_like_every_other_usage_error(args, said):
     r = invoke(*args)
     assert r.returncode == 2 and said in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_a_forgotten_inventory_says_the_example_was_used():
+    env = {k: v for k, v in os.environ.items() if k != "INVOKE_DFLASH_INVENTORY"}
+    argv = [sys.executable, "-m", "invoke", "logs", "--ct", "999"]
+    r = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "container 999 is not in the inventory" in r.stderr
+    assert ("the inventory was the example inventory/production.yaml (no --inventory given and "
+            "INVOKE_DFLASH_INVENTORY not set)") in r.stderr
+    given = subprocess.run([*argv, "--inventory", "inventory/production.yaml"], cwd=REPO, capture_output=True,
+                           text=True, timeout=60, env=env)
+    assert given.returncode == 2 and "the inventory was the example" not in given.stderr

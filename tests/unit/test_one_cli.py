@@ -70,3 +70,14 @@ def test_a_forgotten_inventory_says_the_example_was_used():
     given = subprocess.run([*argv, "--inventory", "inventory/production.yaml"], cwd=REPO, capture_output=True,
                            text=True, timeout=60, env=env)
     assert given.returncode == 2 and "the inventory was the example" not in given.stderr
+
+
+@pytest.mark.parametrize("path, said", [
+    ("/nonexistent/x.png", "the directory /nonexistent does not exist"),
+    ("/tmp", "is a directory"),
+    ("/tmp/plot.txt", "ending in .png"),
+])
+def test_a_bad_plot_path_is_one_line_before_any_round_trip(path, said):
+    r = invoke("metrics", "--plot", path, "--dry-run", "--inventory", "inventory/production.yaml")
+    assert r.returncode == 2 and r.stderr.startswith("error: --plot ") and said in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1 and r.stdout == ""  # nothing sent, not even in the dry run

@@ -1,6 +1,7 @@
 """One CLI: the same flag means the same thing in every task, usage errors exit 2, and the help shows
 no broken option."""
 
+import io
 import os
 import subprocess
 import sys
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import tasks
-from dflash_ops import cli
+from dflash_ops import cli, launch
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -81,3 +82,15 @@ def test_a_bad_plot_path_is_one_line_before_any_round_trip(path, said):
     r = invoke("metrics", "--plot", path, "--dry-run", "--inventory", "inventory/production.yaml")
     assert r.returncode == 2 and r.stderr.startswith("error: --plot ") and said in r.stderr, r.stderr
     assert r.stderr.count("\n") == 1 and r.stdout == ""  # nothing sent, not even in the dry run
+
+
+def test_a_refused_warmup_prints_no_raw_json():
+    """The container's refusal is one JSON line before it would become the warm-up: the task turns it
+    into its one error line (`run X is alive ...`); it is not shown as it came."""
+    out = io.StringIO()
+    progress = launch.WarmupProgress(devices=["cpu"], out=out)
+    progress.write('{"error": "busy", "run": "r1"}\r\n')
+    progress.close()
+    assert out.getvalue() == "" and launch.refusal(progress.lines) == {"error": "busy", "run": "r1"}
+    progress.write("compile warm-up: starting\r\n")  # what the warm-up itself writes is shown
+    assert out.getvalue() == "compile warm-up: starting\n"

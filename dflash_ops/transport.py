@@ -597,8 +597,8 @@ class HostSession:
             t.close()
 
 
-def host_key_pinned(host: Host, key: paramiko.PKey) -> bool:
-    """Whether the host's known_hosts file (read now) pins `key` for it."""
+def pinned_keys(host: Host) -> dict:
+    """The keys the host's known_hosts file (read now) pins for it, by key type ({} when none)."""
     import paramiko
 
     path = os.path.expanduser(host.known_hosts)
@@ -607,8 +607,14 @@ def host_key_pinned(host: Host, key: paramiko.PKey) -> bool:
         localfiles.check_file(path, localfiles.KNOWN_HOSTS_MAX, "known_hosts file")
         keys.load(path)
     except Exception:  # noqa: BLE001 - unreadable, special or malformed: not pinned
-        return False
-    return keys.check(known_hosts_name(host), key)
+        return {}
+    return dict(keys.lookup(known_hosts_name(host)) or {})
+
+
+def host_key_pinned(host: Host, key: paramiko.PKey) -> bool:
+    """Whether the host's known_hosts file (read now) pins `key` for it."""
+    pinned = pinned_keys(host).get(key.get_name())
+    return pinned is not None and pinned.asbytes() == key.asbytes()
 
 
 @dataclass
@@ -621,12 +627,21 @@ class KeyCheck:
     offered: str
     pinned_in: str | None = None
     error: Exception | None = None
+    was: str = "not pinned"      # before this task: "pinned, matches", "not pinned" or "CHANGED"
+    pinned_before: tuple = ()    # CHANGED: the fingerprints known_hosts pins instead
 
     def describe(self) -> str:
         h = self.host
         lines = [f"{h.name} ({h.address}:{h.port}) offers {self.key_name} {self.offered}"]
         if self.pinned_in:
-            lines.append(f"pinned in {self.pinned_in}")
+            lines.append(f"pinned in {self.pinned_in}" + (" (it was CHANGED: the old key is replaced)"
+                                                          if self.was == "CHANGED" else ""))
+        elif self.was == "pinned, matches":
+            lines.append(f"pinned, matches: {h.known_hosts} pins this key; nothing to do")
+        elif self.was == "CHANGED":
+            lines.append(f"CHANGED: {h.known_hosts} pins {', '.join(self.pinned_before)} for this host, not "
+                         f"the key it offers; check on the host's console before re-pinning with "
+                         f"--fingerprint {self.offered} (docs/runbooks/ssh-host-key.md)")
         elif self.error is None:
             lines.append(f"not pinned: re-run with --fingerprint {self.offered} once you have checked it "
                          "on the host")
@@ -641,7 +656,14 @@ def trust_host(host: Host, given: str | None = None) -> KeyCheck:
     key = HostSession(host).offered_host_key()
     offered = fingerprint(key)
     check = KeyCheck(host, key.get_name(), offered)
+    pinned = pinned_keys(host)
+    if host_key_pinned(host, key):
+        check.was = "pinned, matches"
+    elif pinned:
+        check.was, check.pinned_before = "CHANGED", tuple(fingerprint(k) for k in pinned.values())
     if given is None:
+        if check.was == "CHANGED":
+            check.error = HostKeyChanged(f"host key of {host.name} CHANGED: nothing pinned")
         return check
     if given.strip() != offered:
         check.error = UsageError(f"fingerprint mismatch: you gave {given}, the host offers {offered}; "

@@ -95,11 +95,15 @@ class Evaluation:
                 + ("lossless" if self.error is None else "NOT LOSSLESS"))
 
 
+# eval_dflash.py's one-line summary of its RESULT; `describe` shows the record in full instead.
+EVAL_SUMMARY = "lossless "
+
+
 def evaluate(t, run: str, echo=print, **options) -> Evaluation | None:
     """Run eval_dflash.py on run `run`; returns its Evaluation (None in a dry run)."""
     run = runs.validate_run_name(run)
     result, found = payload.run_script(t, eval_argv(t.container, run, **options), "evaluation", echo,
-                                       ok=(0, EXIT_NOT_LOSSLESS))
+                                       ok=(0, EXIT_NOT_LOSSLESS), summary=(EVAL_SUMMARY,))
     if t.dry_run:
         return None
     record = found[-1]

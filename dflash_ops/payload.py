@@ -118,15 +118,19 @@ def _to_stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def run_script(t, argv: list[str], what: str, echo=print, ok: tuple[int, ...] = (0,)):
-    """Run `argv` (a payload script) in the container; (result, [RESULT records]).
+def run_script(t, argv: list[str], what: str, echo=print, ok: tuple[int, ...] = (0,),
+               summary: tuple[str, ...] = ()):
+    """Run `argv` (a payload script) in the container; (result, [RESULT records]). Output lines
+    starting with one of `summary` are the script's own summary of its RESULT, which the task shows
+    itself: not echoed, so the results are printed once.
 
     An exit code outside `ok`, or no RESULT line, is RemoteCommandFailed naming the script's own
     error line (its stderr's last line otherwise), with the fix when the code or venv is missing."""
     ct = t.container
     own_error = script_error(argv)
     result = t.session.exec(ct, argv, env=ct.run_env(), cwd=ct.paths.code, check=False,
-                            out_stream=ShowLines(echo), err_stream=ShowLines(_to_stderr, (own_error,)))
+                            out_stream=ShowLines(echo, summary),
+                            err_stream=ShowLines(_to_stderr, (own_error,)))
     if t.dry_run:
         return result, []
     found = results_of(result.stdout)

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 import tasks
-from dflash_ops import cli, launch
+from dflash_ops import cli, doctor, fanout, launch
+from dflash_ops.inventory import parse_inventory
+from dflash_ops.target import Target
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -94,3 +96,14 @@ def test_a_refused_warmup_prints_no_raw_json():
     assert out.getvalue() == "" and launch.refusal(progress.lines) == {"error": "busy", "run": "r1"}
     progress.write("compile warm-up: starting\r\n")  # what the warm-up itself writes is shown
     assert out.getvalue() == "compile warm-up: starting\n"
+
+
+def test_a_fan_out_rows_fix_names_its_container():
+    inv = parse_inventory({"hosts": {"h": {"address": "h.example"}},
+                           "containers": {200: {"host": "h"}, 201: {"host": "h"}}})
+    failed = fanout.Outcome(Target(inv, inv.container(201), None, False), error=doctor.DoctorFailed(
+        "1 of 11 checks failed: deployed code: 2 file(s) differ -> run `invoke deploy`"))
+    assert failed.detail.endswith("-> run `invoke deploy --ct 201`")
+    assert fanout.name_container("`invoke logs --run r -n 200`, `invoke stop --ct 200`, `invoke sandbox.up`",
+                                 201) == "`invoke logs --run r -n 200 --ct 201`, `invoke stop --ct 200`, " \
+                                         "`invoke sandbox.up`"

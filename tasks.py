@@ -373,16 +373,24 @@ def stop(t, run=None, grace=30, ct=None, group=None, inventory=None, dry_run=Fal
 
 
 @op_task(name="runs", help={"json": "print the container's answer as JSON for scripts",
-                             "stall_after": "call an alive run stalled after this many silent seconds"})
-def list_runs(t, json=False, stall_after=600, ct=None, inventory=None, dry_run=False):
+                             "stall_after": "call an alive run stalled after this many silent seconds",
+                             "pin": "pin this run: `prune` never removes it or its checkpoints",
+                             "unpin": "unpin this run (prune treats it as any other)"})
+def list_runs(t, json=False, stall_after=600, pin=None, unpin=None, ct=None, inventory=None, dry_run=False):
     """List every run in the container: state, steps, last loss, acceptance, when, size, latest checkpoint.
 
     One round trip: a helper in the container reads every run directory under paths.runs (newest
-    first) and sums its size on disk.
+    first) and sums its size on disk. --pin NAME marks a run that `prune` never touches (a
+    `pinned` file in its directory), --unpin NAME removes the mark; the list follows.
     """
     from dflash_ops import history
 
-    answer = history.list_runs(t, float(stall_after))
+    if pin and unpin:
+        raise UsageError("give --pin or --unpin, not both")
+    if pin or unpin:
+        answer = history.pin(t, pin or unpin, pinned=bool(pin))
+    else:
+        answer = history.list_runs(t, float(stall_after))
     return None if answer is None else history.Listing(answer, t.container.label, as_json=bool(json))
 
 

@@ -138,3 +138,17 @@ def test_a_store_that_no_longer_matches_its_record_replaces_nothing(box, staging
         assert in_ct(box, f"ls -d {MODEL}* /dev/shm/*.dflash-stage.* 2>/dev/null; true") == ""  # nothing left
     finally:
         in_ct(box, f"echo b > {STORE}/sub/b")
+
+
+def test_a_pinned_run_is_never_pruned(box):
+    in_ct(box, "mkdir -p /root/runs/best/checkpoints && sleep 1.1 && mkdir -p /root/runs/later/checkpoints")
+    r = invoke(box, "runs", "--ct", "200", "--pin", "best")
+    assert r.returncode == 0 and "(pinned)" in r.stdout, r.stderr
+    dry = invoke(box, "prune", "--ct", "200", "--keep", "1")
+    assert "kept       pinned run best (never touched;" in dry.stdout and "run        " not in dry.stdout
+    done = invoke(box, "prune", "--ct", "200", "--keep", "1", "--yes")
+    assert done.returncode == 0 and in_ct(box, "ls /root/runs").split() == ["best", "later"], done.stdout
+    assert invoke(box, "runs", "--ct", "200", "--unpin", "best").returncode == 0
+    assert "run" in invoke(box, "prune", "--ct", "200", "--keep", "1").stdout.split("\n", 2)[1]
+    missing = invoke(box, "runs", "--ct", "200", "--pin", "nosuch")
+    assert missing.returncode == 6 and missing.stderr.count("\n") == 1 and "no run 'nosuch'" in missing.stderr

@@ -84,12 +84,13 @@ def sandbox_up(c, containers="200", hosts=1, tiny_fit_steps=0):
     return cli.Changed(sandbox.up(containers=ids, hosts=int(hosts), tiny_fit_steps=int(tiny_fit_steps)))
 
 
-@op_task
-def sandbox_down(c):
-    """Stop the embedded host: every container, every sshd; nothing is left running."""
+@op_task(help={"purge": "also remove its state directory ($DFLASH_SANDBOX_STATE): keys, the containers' "
+                        "files and venvs, pip's cache (over a GB after the quick start)"})
+def sandbox_down(c, purge=False):
+    """Stop the embedded host: every container, every sshd; nothing is left running (--purge: nor on disk)."""
     from dflash_ops import sandbox
 
-    return cli.Changed(sandbox.down())
+    return cli.Changed(sandbox.down(purge=bool(purge)))
 
 
 @op_task

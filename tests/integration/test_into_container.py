@@ -152,3 +152,11 @@ def test_a_pinned_run_is_never_pruned(box):
     assert "run" in invoke(box, "prune", "--ct", "200", "--keep", "1").stdout.split("\n", 2)[1]
     missing = invoke(box, "runs", "--ct", "200", "--pin", "nosuch")
     assert missing.returncode == 6 and missing.stderr.count("\n") == 1 and "no run 'nosuch'" in missing.stderr
+
+
+def test_sandbox_down_purge_leaves_nothing_on_disk(sandbox_factory):
+    sb = sandbox_factory(containers=(200,))
+    r = subprocess.run([INVOKE, "sandbox.down", "--purge"], cwd=REPO, capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "DFLASH_SANDBOX_STATE": str(sb.state_dir)})
+    assert r.returncode == 0, r.stderr
+    assert f"removed {Path(sb.state_dir).resolve()}" in r.stdout and not Path(sb.state_dir).exists()

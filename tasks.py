@@ -87,12 +87,13 @@ def sandbox_up(c, containers="200", hosts=1, tiny_fit_steps=0, target="tiny"):
                                   target=target))
 
 
-@op_task
-def sandbox_down(c):
-    """Stop the embedded host: every container, every sshd; nothing is left running."""
+@op_task(help={"purge": "also remove its state directory ($DFLASH_SANDBOX_STATE): keys, the containers' "
+                        "files and venvs, pip's cache (over a GB after the quick start)"})
+def sandbox_down(c, purge=False):
+    """Stop the embedded host: every container, every sshd; nothing is left running (--purge: nor on disk)."""
     from dflash_ops import sandbox
 
-    return cli.Changed(sandbox.down())
+    return cli.Changed(sandbox.down(purge=bool(purge)))
 
 
 @op_task
@@ -124,6 +125,52 @@ def deploy(t, ct=None, group=None, dry_run=False, inventory=None, check=False):
 
     return deploy_mod.deploy(t, check=check)
 
+
+
+# --- into the container: shell, exec ----------------------------------------------------------------
+@op_task
+def shell(t, ct=None, inventory=None, dry_run=False):
+    """An interactive shell in the container, with the run environment (venv, env vars) in paths.code.
+
+    bash (else sh) on a pty, as `train` would see the container: the venv first on PATH, the compile
+    caches' and the inventory's environment variables, in the deployed code's directory. Exits with
+    the shell's exit code. For one command without a terminal: `invoke exec -- CMD...`.
+    """
+    from dflash_ops import shell as shell_mod
+
+    return shell_mod.shell(t)
+
+
+@op_task(name="exec")
+def exec_command(t, ct=None, inventory=None, dry_run=False):
+    """Run one command in the container with the run environment: `invoke exec --ct 200 -- CMD ARG...`.
+
+    Everything after `--` is the command, each argument as given (no shell: write `-- sh -c '...'` for
+    pipes), run with the venv first on PATH, the inventory's environment, in paths.code. Its output
+    streams as it comes, stdout and stderr apart (control characters shown visibly), and its exit code
+    is this task's: `invoke exec -- python -c 'import torch'` fails as the import does.
+    """
+    import sys
+
+    from dflash_ops import shell as shell_mod
+
+    return shell_mod.execute(t, shell_mod.command_after_dashes(sys.argv))
+
+
+@op_task(fan_out=ROWS, help={"record": "record the sha256 of every file of paths.model_store (once the store "
+                                        "is known good) instead of staging"})
+def stage(t, record=False, ct=None, group=None, inventory=None, dry_run=False):
+    """Put the target into paths.model (/dev/shm) from its persistent copy, verified by sha256.
+
+    /dev/shm is emptied when the container restarts. This copies paths.model_store (the target's
+    persistent copy in the container) into a private dir beside paths.model, checks every file
+    against the sha256 recorded in `<model_store>.sha256`, then renames it onto paths.model, and
+    reports the bytes and the time. Already staged from the same record: nothing is copied. Record
+    once with --record (docs/runbooks/stage-target.md). One round trip.
+    """
+    from dflash_ops import stage as stage_mod
+
+    return stage_mod.stage(t, record=bool(record))
 
 
 # --- training runs: warmup, train, logs, status, stop ----------------------------------------------
@@ -333,16 +380,24 @@ def stop(t, run=None, grace=30, ct=None, group=None, inventory=None, dry_run=Fal
 
 
 @op_task(name="runs", help={"json": "print the container's answer as JSON for scripts",
-                             "stall_after": "call an alive run stalled after this many silent seconds"})
-def list_runs(t, json=False, stall_after=600, ct=None, inventory=None, dry_run=False):
+                             "stall_after": "call an alive run stalled after this many silent seconds",
+                             "pin": "pin this run: `prune` never removes it or its checkpoints",
+                             "unpin": "unpin this run (prune treats it as any other)"})
+def list_runs(t, json=False, stall_after=600, pin=None, unpin=None, ct=None, inventory=None, dry_run=False):
     """List every run in the container: state, steps, last loss, acceptance, when, size, latest checkpoint.
 
     One round trip: a helper in the container reads every run directory under paths.runs (newest
-    first) and sums its size on disk.
+    first) and sums its size on disk. --pin NAME marks a run that `prune` never touches (a
+    `pinned` file in its directory), --unpin NAME removes the mark; the list follows.
     """
     from dflash_ops import history
 
-    answer = history.list_runs(t, float(stall_after))
+    if pin and unpin:
+        raise UsageError("give --pin or --unpin, not both")
+    if pin or unpin:
+        answer = history.pin(t, pin or unpin, pinned=bool(pin))
+    else:
+        answer = history.list_runs(t, float(stall_after))
     return None if answer is None else history.Listing(answer, t.container.label, as_json=bool(json))
 
 
@@ -505,7 +560,7 @@ sandbox_ns.add_task(sandbox_up, "up")
 sandbox_ns.add_task(sandbox_down, "down")
 sandbox_ns.add_task(sandbox_status, "status")
 
-ns = Collection(trust_host, disconnect, conformance, sandbox_ns, deploy, warmup, train, logs, status,
-                watch_run, list_runs, prune, stop, doctor, clean_cache, eval_run, regenerate, metrics, fetch,
-                plan)
+ns = Collection(trust_host, disconnect, conformance, sandbox_ns, deploy, shell, exec_command, stage, warmup,
+                train, logs, status, watch_run, list_runs, prune, stop, doctor, clean_cache, eval_run,
+                regenerate, metrics, fetch, plan)
 ns.configure({"dflash": {"inventory": None}})

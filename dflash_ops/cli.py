@@ -16,9 +16,11 @@ import sys
 
 import invoke
 from invoke import Exit
+from invoke.exceptions import ParseError
 
 from . import fanout, terminal
 from .errors import DflashOpsError, ExitStatus, UsageError
+from .inventory import DEFAULT_INVENTORY
 from .target import Target, resolve, resolve_one
 
 ROWS = "rows"  # op_task(fan_out=ROWS): several containers give one row each
@@ -56,6 +58,29 @@ def unify_shared_options(calls) -> dict:
             value = next(v for call in calls if (v := call.kwargs.get(name, unset)) not in (unset, None))
             chosen[name] = value
     return chosen
+
+
+def _usage_errors_exit_2() -> None:
+    """Invoke exits 1 when it cannot parse the task part of the command line (an unknown task or
+    flag, a flag without its value); every usage error of this tool exits 2 (ExitStatus.USAGE), so
+    those do too. Invoke has no hook for it: its Program.parse_tasks is wrapped once, when tasks.py
+    imports this module (the core options, parsed before, keep Invoke's own handling)."""
+    parse_tasks = invoke.Program.parse_tasks
+    if getattr(parse_tasks, "usage_exit", False):
+        return
+
+    @functools.wraps(parse_tasks)
+    def parse_tasks_or_usage(self):
+        try:
+            return parse_tasks(self)
+        except ParseError as exc:
+            raise Exit(f"error: {terminal.visible(str(exc))}", code=ExitStatus.USAGE) from None
+
+    parse_tasks_or_usage.usage_exit = True
+    invoke.Program.parse_tasks = parse_tasks_or_usage
+
+
+_usage_errors_exit_2()
 
 
 class Executor(invoke.Executor):
@@ -183,6 +208,18 @@ def shows(fn):
     return wrapper
 
 
+def example_inventory_note(fn, args, kwargs) -> str:
+    """`; the inventory was the example ...` when a task that reads an inventory was given none (no
+    --inventory, no INVOKE_DFLASH_INVENTORY): its errors name the example's hosts, say so."""
+    if "inventory" not in inspect.signature(fn).parameters or kwargs.get("inventory"):
+        return ""
+    c = args[0] if args else None
+    if not isinstance(c, invoke.Context) or inventory_path(c, None):
+        return ""
+    return (f"; the inventory was the example {DEFAULT_INVENTORY} (no --inventory given and "
+            "INVOKE_DFLASH_INVENTORY not set)")
+
+
 def reports_errors(fn):
     """Turn a DflashOpsError into a one-line message on stderr and the error's exit code."""
 
@@ -192,7 +229,8 @@ def reports_errors(fn):
             return fn(*args, **kwargs)
         except DflashOpsError as exc:
             # Messages quote remote stderr and container files: shown visibly, on one line.
-            raise Exit(f"error: {terminal.visible(str(exc))}", code=exc.exit_status) from None
+            raise Exit(f"error: {terminal.visible(str(exc))}{example_inventory_note(fn, args, kwargs)}",
+                       code=exc.exit_status) from None
         except KeyboardInterrupt:
             raise Exit("interrupted", code=ExitStatus.INTERRUPTED) from None
         except BrokenPipeError:
@@ -247,6 +285,9 @@ def parse_numbers(fn):
 # letters would differ); every other option gets Invoke's automatic letter.
 SHORT_FLAGS = {"ct": "c", "group": "g", "inventory": "i", "dry_run": "d", "run": "r", "device": "v"}
 HELP_FLAG = "h"
+# `-n` is a count everywhere (`logs -n 200`, `metrics -n 50`): only a parameter named n has it. And a
+# dash is never a short flag (Invoke would pick the `-` of `min-free-shm`: `--=STRING` in the help).
+NEVER_AUTOMATIC = {"n", "-"}
 
 
 class OpTask(invoke.Task):
@@ -254,7 +295,7 @@ class OpTask(invoke.Task):
 
     def arg_opts(self, name, default, taken_names):
         fixed = {SHORT_FLAGS[p] for p in self.argspec(self.body).parameters if p in SHORT_FLAGS}
-        opts = super().arg_opts(name, default, set(taken_names) | fixed | {HELP_FLAG})
+        opts = super().arg_opts(name, default, set(taken_names) | fixed | {HELP_FLAG} | NEVER_AUTOMATIC)
         if name in SHORT_FLAGS and self.auto_shortflags:
             opts["names"] = [opts["names"][0], SHORT_FLAGS[name]]
         return opts

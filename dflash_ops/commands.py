@@ -129,8 +129,11 @@ def pct_line(pct: str | Sequence[str], *args) -> str:
 
 
 def pct_exec(ctid: int, argv: Sequence[str], env: Mapping[str, str] | None = None,
-             cwd: str | None = None, pct: str | Sequence[str] = "pct") -> str:
-    """The host command line that runs `argv` in container `ctid` with exactly `env` and `cwd`."""
+             cwd: str | None = None, pct: str | Sequence[str] = "pct", tied: bool = True) -> str:
+    """The host command line that runs `argv` in container `ctid` with exactly `env` and `cwd`.
+
+    `tied=False` (`invoke shell`, on a pty only): without SESSION_SCRIPT, so the command keeps the
+    terminal and its stdin; the pty's hang-up ends it when the session goes."""
     if isinstance(ctid, bool) or not isinstance(ctid, int):
         raise UnsafeValue(f"container id must be an integer, got {ctid!r}")
     if not argv:
@@ -139,7 +142,8 @@ def pct_exec(ctid: int, argv: Sequence[str], env: Mapping[str, str] | None = Non
     if "=" in argv[0]:
         # env(1) would read it as another assignment instead of the program to run.
         raise UnsafeValue(f"program name must not contain '=': {argv[0]!r}")
-    return pct_line(pct, "exec", str(ctid), "--", *session_tied([*env_argv(env, cwd), *argv]))
+    command = [*env_argv(env, cwd), *argv]
+    return pct_line(pct, "exec", str(ctid), "--", *(session_tied(command) if tied else command))
 
 
 def pct_transfer(verb: str, ctid: int, src: str, dst: str, pct: str | Sequence[str] = "pct",

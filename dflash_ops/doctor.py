@@ -113,8 +113,14 @@ def code_check(ct: Container, fact: dict, local: Local) -> Check:
 
 def model_check(ct: Container, fact: dict) -> Check:
     path = ct.paths.model
-    fix = ("run `invoke deploy` (the inventory asks for the tiny target)" if ct.tiny_target
-           else f"copy the model into {path} on the container (it must hold config.json and the weights)")
+    if ct.tiny_target:
+        fix = "run `invoke deploy` (the inventory asks for the tiny target)"
+    elif ct.paths.model_store:
+        fix = (f"run `invoke stage --ct {ct.ctid}` (copies {ct.paths.model_store}, checked by sha256; "
+               "docs/runbooks/stage-target.md)")
+    else:
+        fix = (f"copy the model into {path} on the container (it must hold config.json and the weights), or "
+               "set paths.model_store and run `invoke stage` (docs/runbooks/stage-target.md)")
     if not fact.get("dir"):
         return Check("model", False, f"{path} does not exist", fix)
     if not fact.get("config"):

@@ -26,7 +26,8 @@ class ExitStatus(IntEnum):
                     "is missing")
     SANDBOX = 7, "the embedded test host could not be brought up, inspected or taken down"
     FAN_OUT_FAILED = 8, "a task run over several containers failed on at least one (its row says why)"
-    CHECKSUM_MISMATCH = 9, "`fetch`: a copied file does not match the hash computed in the container"
+    CHECKSUM_MISMATCH = 9, ("`fetch`: a copied file does not match the hash computed in the container; "
+                            "`stage`: the target's copy does not match its recorded sha256")
     NOT_LOSSLESS = 10, "`eval`: speculative decoding changed the target's greedy output"
     UNTRUSTED = 11, ("what the container wrote was refused as unsafe (`fetch`: a checkpoint outside the run, "
                      "a symlink, a name that is not the checkpoint's)")

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from . import payload, runs
-from .errors import DflashOpsError, ExitStatus, UsageError
+from .errors import DflashOpsError, ExitStatus, PreflightFailed, RunStateError, UsageError
 from .inventory import Container
 
 EVAL_SCRIPT = "eval_dflash.py"
@@ -79,6 +79,41 @@ def regenerate_argv(ct: Container, sources: Sequence[str] = (), out_dir: str | N
     return argv, outputs
 
 
+def eval_needs(ct: Container, run: str, checkpoint: str, prompts: str | None) -> list[payload.Need]:
+    """What eval_dflash.py needs, checked before it starts (payload.require): the run, its
+    checkpoint (latest, step-N or a directory), the prompts file when given."""
+    run_dir = runs.run_dir(ct, run)
+    if checkpoint == "latest":  # a pointer file, or the highest complete step: the script resolves it
+        needed, test, checkpoint_dir = f"{run_dir}/checkpoints", "d", f"{run_dir}/checkpoints"
+    else:
+        checkpoint_dir = checkpoint if "/" in checkpoint else f"{run_dir}/checkpoints/{checkpoint}"
+        needed, test = f"{checkpoint_dir}/config.json", "f"
+    needs = [payload.Need(run_dir, "d", RunStateError(
+                 f"no run {run!r} on {ct.label} (in {ct.paths.runs}): `invoke runs` lists them")),
+             payload.Need(needed, test, RunStateError(
+                 f"run {run}: no checkpoint {checkpoint!r} on {ct.label} ({checkpoint_dir}); "
+                 "`invoke runs` shows each run's latest"))]
+    if prompts:
+        needs.append(payload.Need(prompts, "f", PreflightFailed(
+            f"{ct.label}: --prompts {prompts}: no such file in the container (relative paths are under "
+            f"{ct.paths.code}); nothing was started")))
+    return needs
+
+
+def regenerate_needs(ct: Container, sources: Sequence[str], target: str | None) -> list[payload.Need]:
+    """What regenerate_data.py needs, checked before it starts: every source, the target's config."""
+    path = target or ct.paths.model
+    fix = ("give --target DIR" if target else
+           "run `invoke stage` (the target is gone from /dev/shm after a restart) or give --target DIR")
+    needs = [payload.Need(f"{path}/config.json", "f", PreflightFailed(
+        f"{ct.label}: target {path}: no such directory or no config.json in it; {fix}; nothing was started"))]
+    for source in sources:
+        needs.append(payload.Need(source, "e", PreflightFailed(
+            f"{ct.label}: --src {source}: no such file or directory in the container (relative paths are "
+            f"under {ct.paths.code}); nothing was started")))
+    return needs
+
+
 @dataclass
 class Evaluation:
     """One evaluation's record; `error` is NotLossless when speculative decoding changed an output
@@ -95,11 +130,18 @@ class Evaluation:
                 + ("lossless" if self.error is None else "NOT LOSSLESS"))
 
 
+# eval_dflash.py's one-line summary of its RESULT; `describe` shows the record in full instead.
+EVAL_SUMMARY = "lossless "
+
+
 def evaluate(t, run: str, echo=print, **options) -> Evaluation | None:
     """Run eval_dflash.py on run `run`; returns its Evaluation (None in a dry run)."""
     run = runs.validate_run_name(run)
-    result, found = payload.run_script(t, eval_argv(t.container, run, **options), "evaluation", echo,
-                                       ok=(0, EXIT_NOT_LOSSLESS))
+    argv = eval_argv(t.container, run, **options)  # bad flags: one line before anything is sent
+    payload.require(t, eval_needs(t.container, run, options.get("checkpoint") or "latest",
+                                  options.get("prompts")))
+    result, found = payload.run_script(t, argv, "evaluation", echo,
+                                       ok=(0, EXIT_NOT_LOSSLESS), summary=(EVAL_SUMMARY,))
     if t.dry_run:
         return None
     record = found[-1]
@@ -127,6 +169,8 @@ class Regenerated:
 def regenerate(t, echo=print, **options) -> Regenerated | None:
     """Run regenerate_data.py in the container (None in a dry run)."""
     argv, _ = regenerate_argv(t.container, **options)
+    payload.require(t, regenerate_needs(t.container, options.get("sources") or DEFAULT_SOURCES,
+                                        options.get("target")))
     _, found = payload.run_script(t, argv, "regeneration", echo)
     return None if t.dry_run else Regenerated(found)
 

@@ -8,6 +8,7 @@ never hides the others' outcomes.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,12 +38,29 @@ class Outcome:
 
     @property
     def detail(self) -> str:
-        """The row's text: the error's one line, or the result's row."""
+        """The row's text: the error's one line, or the result's row; a fix it names (`invoke deploy`)
+        names this container (`invoke deploy --ct 201`), as the row is one of several."""
         if self.error is None:
-            return self.row
-        if isinstance(self.error, DflashOpsError):
-            return str(self.error)
-        return f"{type(self.error).__name__}: {self.error}"
+            text = self.row
+        elif isinstance(self.error, DflashOpsError):
+            text = str(self.error)
+        else:
+            text = f"{type(self.error).__name__}: {self.error}"
+        return name_container(text, self.target.container.ctid)
+
+
+# A command a message tells to run: `invoke TASK ARGS...`, in backquotes.
+_FIX = re.compile(r"`invoke ([a-z][a-z.-]*)([^`]*)`")
+
+
+def name_container(text: str, ctid: int) -> str:
+    """Every `invoke TASK ...` in `text` that names no container gets `--ct CTID`."""
+    def add(match: re.Match) -> str:
+        task, args = match.groups()
+        if re.search(r"(^|\s)(--ct|-c|--group|-g)(\s|=|$)", args) or task.startswith("sandbox"):
+            return match.group()
+        return f"`invoke {task}{args} --ct {ctid}`"
+    return _FIX.sub(add, text)
 
 
 def _row(result) -> str:

@@ -89,7 +89,7 @@ def _record(r, where: str, i: int) -> dict:
             "bytes": _int(r.get("bytes")), "latest_checkpoint": _str(r.get("latest_checkpoint"), 100),
             "checkpoints": [{"name": c["name"][:100], "step": _int(c.get("step")),
                              "bytes": _int(c.get("bytes"))} for c in checkpoints],
-            "keep_last": _int(r.get("keep_last"))}
+            "keep_last": _int(r.get("keep_last")), "pinned": r.get("pinned") is True}
 
 
 PLAN_KINDS = ("run", "checkpoint", "leftover")
@@ -118,6 +118,13 @@ def checked(answer, where: str) -> dict:
         out.update(plan=plan, removed=[p[:400] for p in removed if isinstance(p, str)],
                    lock=_str(answer.get("lock"), 20))
     return out
+
+
+def pin(t, run: str, pinned: bool = True) -> dict | None:
+    """Pin (or unpin) a run so that prune never touches it; the list after it."""
+    from .runs import validate_run_name
+
+    return _ask(t, "pin", payload(t.container, run=validate_run_name(run), pin=bool(pinned)))
 
 
 def list_runs(t, stall_after: float = 600) -> dict | None:
@@ -155,7 +162,8 @@ class Row:
 
     @staticmethod
     def of(r: dict) -> Row:
-        state = r.get("state", "?") + (" (alive)" if r.get("alive") else "")
+        state = (r.get("state", "?") + (" (alive)" if r.get("alive") else "")
+                 + (" (pinned)" if r.get("pinned") else ""))
         return Row((markup(str(r.get("name"))), state, _num(r.get("step"), "d"), _num(r.get("loss"), ".4f"),
                     _num(r.get("acceptance_length"), ".2f"), _when(r.get("started")),
                     _duration(r.get("duration_s")),
@@ -189,6 +197,9 @@ def describe_prune(answer: dict, label: str, acted: bool) -> str:
     unparsed = [visible(n)[:80] for n in (answer.get("unparsed") or [])[:20] if isinstance(n, str)]
     if unparsed:
         lines.append(f"  left alone, not runs: {', '.join(unparsed)}")
+    pinned = [visible(r["name"]) for r in answer.get("runs") or [] if r.get("pinned")]
+    lines += [f"  kept       pinned run {name} (never touched; `invoke runs --unpin {name}` lets prune "
+              "see it)" for name in pinned]
     if not plan:
         return "\n".join([f"{label}: nothing to prune", *lines])
     if not acted:

@@ -76,6 +76,7 @@ class Paths:
     code: str = "/root/dflash"
     runs: str = "/root/runs"
     model: str = "/dev/shm/model"
+    model_store: str | None = None  # the target's persistent copy in the container, `invoke stage` copies
     data: str | None = None
     caches: Caches = field(default_factory=Caches)
 
@@ -262,7 +263,7 @@ CONTAINER_KEYS = {"host", "name", "roles", "python", "tiny_target", "tiny_target
                   "target_package", "paths",
                   "train_config", "env",
                   "secret_env", "pip_env", "rdzv_address"}
-PATH_KEYS = {"venv", "code", "runs", "model", "data", "caches"}
+PATH_KEYS = {"venv", "code", "runs", "model", "model_store", "data", "caches"}
 CACHE_KEYS = {"inductor", "triton", "torch_extensions"}
 TOP_KEYS = {"default_container", "hosts", "containers", "groups"}
 
@@ -370,7 +371,13 @@ def _paths(r: _Reader, raw, key: str) -> Paths:
     for k, v in values.items():
         if v.rstrip("/") in ("", "/root", "/tmp", "/dev/shm", "/usr", "/etc") and k != "model":
             r.fail(f"{key}.{k}", f"refusing a system directory as the {k} directory: {v!r}")
-    return Paths(**values, data=r.abspath(raw.get("data"), f"{key}.data", optional=True), caches=caches)
+    store = r.abspath(raw.get("model_store"), f"{key}.model_store", optional=True)
+    if store is not None and store.rstrip("/") in ("", "/root", "/tmp", "/dev/shm", "/usr", "/etc"):
+        r.fail(f"{key}.model_store", f"refusing a system directory as the model store: {store!r}")
+    if store is not None and store.rstrip("/") == values.get("model", Paths.model).rstrip("/"):
+        r.fail(f"{key}.model_store", "must differ from paths.model (it is the copy that survives a restart)")
+    return Paths(**values, model_store=store, data=r.abspath(raw.get("data"), f"{key}.data", optional=True),
+                 caches=caches)
 
 
 def _container(r: _Reader, raw_id, raw, hosts: Mapping[str, Host]) -> Container:

@@ -454,7 +454,10 @@ class WarmupProgress(terminal.LineSink):
 
     def line(self, line: str) -> None:
         out = self.out or sys.stdout
+        first = not self.lines
         self.lines = (self.lines + [line])[-400:]
+        if first and refusal([line]):  # the verb's refusal (busy, ...): the task's error line says it
+            return
         print(terminal.visible(line), file=out, flush=True)
         m = SHAPE_DONE.search(line)
         if m:

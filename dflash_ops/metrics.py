@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from . import runs, terminal
-from .errors import RunStateError
+from .errors import RunStateError, UsageError
 from .remote import ship
 from .status import fmt
 
@@ -180,7 +182,10 @@ class Shown:
 
 
 def show(t, run: str | None = None, n: int = 20, plot_to: str | None = None) -> Shown | None:
-    """Read the run's metrics (one round trip); with `plot_to`, write the plot there too."""
+    """Read the run's metrics (one round trip); with `plot_to`, write the plot there too (the path is
+    checked first: a bad one is one line before any round trip)."""
+    if plot_to:
+        check_plot_path(plot_to)
     m = fetch(t, run)
     if m is None:
         return None
@@ -188,6 +193,20 @@ def show(t, run: str | None = None, n: int = 20, plot_to: str | None = None) -> 
 
 
 # --- the plot -------------------------------------------------------------------------------------
+
+def check_plot_path(path: str) -> None:
+    """--plot names a .png file in an existing, writable local directory (not a directory itself)."""
+    target = Path(path).expanduser()
+    if target.is_dir():
+        raise UsageError(f"--plot {path!r} is a directory: give a file name such as {target / 'run.png'}")
+    if target.suffix.lower() != ".png":
+        raise UsageError(f"--plot {path!r}: give a file name ending in .png")
+    folder = target.parent
+    if not folder.is_dir():
+        raise UsageError(f"--plot {path!r}: the directory {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise UsageError(f"--plot {path!r}: the directory {folder} is not writable")
+
 
 def _smooth(values: list[float], points: int) -> list[float]:
     """Exponential moving average whose window grows with the run (raw values when short)."""
@@ -326,6 +345,10 @@ def plot(metrics: RunMetrics, path: str) -> str:
         headline += (f"; dflash eval τ {fmt(evals[-1].get('acceptance_length'), '.2f')} at step "
                      f"{fmt(evals[-1].get('step'), 'd')}")
     fig.suptitle(headline + ("   (grey lines: checkpoints)" if saved else ""), fontsize=13)
-    fig.savefig(path)
-    plt.close(fig)
+    try:
+        fig.savefig(path)
+    except OSError as exc:  # the directory went away or filled up since the check
+        raise UsageError(f"--plot {path!r}: cannot write it: {exc.strerror or exc}") from None
+    finally:
+        plt.close(fig)
     return path

@@ -14,9 +14,10 @@ import posixpath
 import re
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from . import commands, terminal
-from .errors import RemoteCommandFailed, UsageError
+from .errors import DflashOpsError, RemoteCommandFailed, UsageError
 from .inventory import Container
 
 SET_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
@@ -118,15 +119,62 @@ def _to_stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def run_script(t, argv: list[str], what: str, echo=print, ok: tuple[int, ...] = (0,)):
-    """Run `argv` (a payload script) in the container; (result, [RESULT records]).
+# --- fail fast: the paths a script needs, checked before it imports torch ---------------------------
+
+@dataclass(frozen=True)
+class Need:
+    """A path a script needs in the container (relative ones: under paths.code, the script's cwd):
+    `test` is test(1)'s d (a directory), f (a file) or e (either); `error` is raised when it is not."""
+
+    path: str
+    test: str
+    error: DflashOpsError
+
+
+# $1: the answer's marker; then triples (index, test, path): the indexes of the paths that fail.
+NEEDS_SCRIPT = 'm=$1; shift; while [ $# -ge 3 ]; do [ -"$2" "$3" ] || echo "$m $1"; shift 3; done'
+NEEDS_MARK = "dflash-missing"
+
+
+def require(t, needs: Sequence[Need]) -> None:
+    """One round trip before the slow work (a payload script imports torch for 15-20 s before it
+    reads its arguments): the first need that fails raises its error, as train's preflight does."""
+    if not needs:
+        return
+    ct = t.container
+    args = [NEEDS_MARK]
+    for i, need in enumerate(needs):
+        if need.test not in ("d", "f", "e"):
+            raise ValueError(f"test {need.test!r}")
+        args += [str(i), need.test, need.path]
+    result = t.session.exec(ct, commands.sh_script(NEEDS_SCRIPT, *args), env={"PATH": commands.SYSTEM_PATH},
+                            cwd=ct.paths.code, check=False)
+    if t.dry_run:
+        return
+    if result.exited == 125 and "cannot change directory" in result.stderr:
+        raise RemoteCommandFailed(f"{ct.label}: {ct.paths.code} does not exist: run `invoke deploy`")
+    if result.exited != 0:
+        raise RemoteCommandFailed(f"{ct.label}: checking the paths failed (exit {result.exited}): "
+                                  f"{terminal.visible(result.stderr.strip()[-200:])}")
+    for line in result.stdout.splitlines()[:len(needs)]:
+        mark, _, index = line.partition(" ")
+        if mark == NEEDS_MARK and index.isdigit() and int(index) < len(needs):
+            raise needs[int(index)].error
+
+
+def run_script(t, argv: list[str], what: str, echo=print, ok: tuple[int, ...] = (0,),
+               summary: tuple[str, ...] = ()):
+    """Run `argv` (a payload script) in the container; (result, [RESULT records]). Output lines
+    starting with one of `summary` are the script's own summary of its RESULT, which the task shows
+    itself: not echoed, so the results are printed once.
 
     An exit code outside `ok`, or no RESULT line, is RemoteCommandFailed naming the script's own
     error line (its stderr's last line otherwise), with the fix when the code or venv is missing."""
     ct = t.container
     own_error = script_error(argv)
     result = t.session.exec(ct, argv, env=ct.run_env(), cwd=ct.paths.code, check=False,
-                            out_stream=ShowLines(echo), err_stream=ShowLines(_to_stderr, (own_error,)))
+                            out_stream=ShowLines(echo, summary),
+                            err_stream=ShowLines(_to_stderr, (own_error,)))
     if t.dry_run:
         return result, []
     found = results_of(result.stdout)

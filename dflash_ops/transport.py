@@ -370,10 +370,12 @@ class HostSession:
         return commands.mask(line, self.secrets)
 
     def run(self, line: str, *, stream: bool = False, check: bool = True, timeout: float | None = None,
-            pty: bool = False, out_stream=None, err_stream=None, limit: int | None = None) -> Result:
+            pty: bool = False, out_stream=None, err_stream=None, limit: int | None = None,
+            stdin: bool = False) -> Result:
         """Run one host command line (one round trip). `check` raises RemoteCommandFailed on non-zero.
         `limit`: bytes of stdout (and of stderr) read at most; past it the command is ended and
-        UntrustedData raised, before anything of it is parsed."""
+        UntrustedData raised, before anything of it is parsed. `stdin`: this process's stdin goes to
+        the command (`invoke shell`; else it gets none)."""
         size = len(line.encode("utf-8", "surrogateescape"))
         if size > MAX_LINE_BYTES:
             raise UnsafeValue(f"{self.host.name}: the command line would be {size} bytes, more than the "
@@ -387,12 +389,12 @@ class HostSession:
             out_stream = out_stream or terminal.Visible(sys.stdout)
             err_stream = err_stream or terminal.Visible(sys.stderr)
         result = None
-        if not pty and self._conn is None:
+        if not (pty or stdin) and self._conn is None:
             result = self._run_shared(line, show=not hide, timeout=timeout, out_stream=out_stream,
                                       err_stream=err_stream, limit=limit)
         if result is None:
             result = self._run_own(line, hide=hide, timeout=timeout, pty=pty, out_stream=out_stream,
-                                   err_stream=err_stream, limit=limit)
+                                   err_stream=err_stream, limit=limit, stdin=stdin)
         if check and not result.ok:
             raise RemoteCommandFailed(
                 f"{self.host.name}: exit {result.exited}: "
@@ -401,7 +403,7 @@ class HostSession:
         return result
 
     def _run_own(self, line: str, *, hide: bool, timeout: float | None, pty: bool, out_stream,
-                 err_stream, limit: int | None = None) -> Result:
+                 err_stream, limit: int | None = None, stdin: bool = False) -> Result:
         import paramiko
         from invoke.exceptions import CommandTimedOut, ThreadException
 
@@ -411,7 +413,8 @@ class HostSession:
         started = time.monotonic()
         try:
             r = conn.run(line, hide=hide, warn=True, pty=pty, timeout=timeout,
-                         in_stream=False,  # stdin is polled byte by byte: files go over SFTP instead
+                         # stdin is polled byte by byte: files go over SFTP instead; only a shell gets it
+                         in_stream=None if stdin else False,
                          out_stream=out_stream, err_stream=err_stream)
         except ThreadException as exc:
             if any(isinstance(e.value, OutputTooLarge) for e in exc.exceptions):
@@ -433,7 +436,8 @@ class HostSession:
     def exec(self, ct: Container, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
              cwd: str | None = None, check: bool = True, **kwargs) -> Result:
         """Run argv inside container `ct` (same host) and classify pct's own failures."""
-        line = commands.pct_exec(ct.ctid, argv, env=env, cwd=cwd, pct=ct.host.pct_command)
+        line = commands.pct_exec(ct.ctid, argv, env=env, cwd=cwd, pct=ct.host.pct_command,
+                                 tied=not kwargs.get("stdin"))
         return self.run_in(ct, line, check=check, **kwargs)
 
     def run_in(self, ct: Container, line: str, *, check: bool = True, explain=None, **kwargs) -> Result:
@@ -593,8 +597,8 @@ class HostSession:
             t.close()
 
 
-def host_key_pinned(host: Host, key: paramiko.PKey) -> bool:
-    """Whether the host's known_hosts file (read now) pins `key` for it."""
+def pinned_keys(host: Host) -> dict:
+    """The keys the host's known_hosts file (read now) pins for it, by key type ({} when none)."""
     import paramiko
 
     path = os.path.expanduser(host.known_hosts)
@@ -603,8 +607,14 @@ def host_key_pinned(host: Host, key: paramiko.PKey) -> bool:
         localfiles.check_file(path, localfiles.KNOWN_HOSTS_MAX, "known_hosts file")
         keys.load(path)
     except Exception:  # noqa: BLE001 - unreadable, special or malformed: not pinned
-        return False
-    return keys.check(known_hosts_name(host), key)
+        return {}
+    return dict(keys.lookup(known_hosts_name(host)) or {})
+
+
+def host_key_pinned(host: Host, key: paramiko.PKey) -> bool:
+    """Whether the host's known_hosts file (read now) pins `key` for it."""
+    pinned = pinned_keys(host).get(key.get_name())
+    return pinned is not None and pinned.asbytes() == key.asbytes()
 
 
 @dataclass
@@ -617,12 +627,21 @@ class KeyCheck:
     offered: str
     pinned_in: str | None = None
     error: Exception | None = None
+    was: str = "not pinned"      # before this task: "pinned, matches", "not pinned" or "CHANGED"
+    pinned_before: tuple = ()    # CHANGED: the fingerprints known_hosts pins instead
 
     def describe(self) -> str:
         h = self.host
         lines = [f"{h.name} ({h.address}:{h.port}) offers {self.key_name} {self.offered}"]
         if self.pinned_in:
-            lines.append(f"pinned in {self.pinned_in}")
+            lines.append(f"pinned in {self.pinned_in}" + (" (it was CHANGED: the old key is replaced)"
+                                                          if self.was == "CHANGED" else ""))
+        elif self.was == "pinned, matches":
+            lines.append(f"pinned, matches: {h.known_hosts} pins this key; nothing to do")
+        elif self.was == "CHANGED":
+            lines.append(f"CHANGED: {h.known_hosts} pins {', '.join(self.pinned_before)} for this host, not "
+                         f"the key it offers; check on the host's console before re-pinning with "
+                         f"--fingerprint {self.offered} (docs/runbooks/ssh-host-key.md)")
         elif self.error is None:
             lines.append(f"not pinned: re-run with --fingerprint {self.offered} once you have checked it "
                          "on the host")
@@ -637,7 +656,14 @@ def trust_host(host: Host, given: str | None = None) -> KeyCheck:
     key = HostSession(host).offered_host_key()
     offered = fingerprint(key)
     check = KeyCheck(host, key.get_name(), offered)
+    pinned = pinned_keys(host)
+    if host_key_pinned(host, key):
+        check.was = "pinned, matches"
+    elif pinned:
+        check.was, check.pinned_before = "CHANGED", tuple(fingerprint(k) for k in pinned.values())
     if given is None:
+        if check.was == "CHANGED":
+            check.error = HostKeyChanged(f"host key of {host.name} CHANGED: nothing pinned")
         return check
     if given.strip() != offered:
         check.error = UsageError(f"fingerprint mismatch: you gave {given}, the host offers {offered}; "

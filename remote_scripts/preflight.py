@@ -67,8 +67,9 @@ def check_config(args):
 
 def check_target(config) -> dict:
     path = resolve_path(config.target.path)
-    fix = (f"run `invoke deploy` (the sandbox's tiny target) or copy the model to {path} "
-           f"(/dev/shm is emptied when the container restarts); see {RUNBOOK}")
+    fix = (f"run `invoke stage` (copies the target from paths.model_store, checked by sha256; /dev/shm "
+           f"is emptied when the container restarts), `invoke deploy` (the sandbox's tiny target), or copy "
+           f"the model to {path}; see {RUNBOOK}")
     if not os.path.isdir(path):
         raise Failed("target", f"target checkpoint directory not found: {path}", fix)
     config_json = os.path.join(path, "config.json")

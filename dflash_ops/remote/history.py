@@ -6,13 +6,15 @@ prelude's one answer out. Parsing and display live on the local side (dflash_ops
     list   {"runs", "stall_after"} -> {"now", "alive", "runs": [record...], "unparsed"}
     prune  {... , "keep", "older_than", "act"} -> {"now", "alive", "runs", "plan": [...], "removed", "lock",
                                                     "unparsed"}
+    pin    {"runs", "run", "pin": bool} -> the list's answer, once `<run>/pinned` is made (or removed)
 
 A run is alive while its processes hold `<runs>/.lock`; its state is the prelude's run_state, the
 same as `invoke status` says. Which run prune keeps as the alive one is read from the lock's holders
 (prelude.lock_holder_run), not from `.current`, which anyone in the container may write; a lock held
 by no run it can name ("?": a launch starting) removes nothing. `prune` never touches the alive
 run, keeps the `keep` newest runs, and of those it removes only checkpoints beyond the run's own
-`train.keep_last` (never the one `checkpoints/latest` names) and leftovers of interrupted saves.
+`train.keep_last` (never the one `checkpoints/latest` names) and leftovers of interrupted saves; a
+pinned run (`<run>/pinned`, `invoke runs --pin NAME`) is never touched, like the alive one.
 While it deletes it holds the runs lock, so no run can start (or resume) under it; while a run is
 alive that run holds the lock, which excludes launches just as well, and prune takes the lock the
 moment the run ends. Each directory is renamed out of view before it is deleted, and only when no
@@ -27,6 +29,7 @@ import shutil
 import time
 
 from dflash_ops.remote.prelude import (
+    Refused,
     check_deadline,
     lock_holder_run,
     number,
@@ -41,6 +44,7 @@ from dflash_ops.remote.prelude import (
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 STEP_DIR = re.compile(r"^step-(\d+)$")
 LEFTOVER = re.compile(r"^\.(?:tmp-step-\d+-\d+|del-step-\d+-\d+)$")  # interrupted checkpoint saves/deletes
+PIN_FILE = "pinned"  # in a run's directory: prune never touches the run
 KEEP_LAST = re.compile(r"^\s+keep_last:\s*(\d+)\s*$")
 
 
@@ -129,6 +133,7 @@ def run_record(runs, name, now, stall_after):
         "exit_code": state["files"].get("exit_code"), "bytes": disk_usage(run_dir),
         "latest_checkpoint": latest, "checkpoints": steps, "leftovers": leftovers,
         "keep_last": keep_last_of(run_dir), "spec": read_spec(run_dir),
+        "pinned": os.path.isfile(os.path.join(run_dir, PIN_FILE)),
     }
 
 
@@ -174,7 +179,7 @@ def plan(records, keep, older_than, now):
     """What prune removes, newest run first: [{"run", "path" (relative to runs), "what", "bytes", "why"}]."""
     out = []
     for rank, r in enumerate(records):
-        if r["alive"]:
+        if r["alive"] or r["pinned"]:
             continue
         if rank >= keep and (older_than is None or now - r["last_activity"] >= older_than):
             idle = (now - r["last_activity"]) / 86400
@@ -236,7 +241,24 @@ def prune(args):
             os.close(fd)
 
 
-VERBS = {"list": list_runs, "prune": prune}
+def pin(args):
+    """Pin (or unpin) one run: `<run>/pinned` made or removed; then the list."""
+    runs, name = args["runs"], args["run"]
+    run_dir = os.path.join(runs, name)
+    if not RUN_NAME.match(name) or not os.path.isdir(run_dir) or os.path.islink(run_dir):
+        raise Refused("no-run", f"no run {name!r} in {runs}: `invoke runs` lists them")
+    marker = os.path.join(run_dir, PIN_FILE)
+    before = os.lstat(run_dir)  # a run without start records is dated by its directory's mtime: kept
+    if args.get("pin", True):
+        with open(marker, "w") as f:
+            f.write(f"{int(time.time())}\n")
+    elif os.path.lexists(marker):
+        os.unlink(marker)
+    os.utime(run_dir, ns=(before.st_atime_ns, before.st_mtime_ns))
+    return list_runs(args)
+
+
+VERBS = {"list": list_runs, "prune": prune, "pin": pin}
 
 
 if __name__ == "__main__":

@@ -127,3 +127,13 @@ def test_the_containers_memory_limit_is_shown_and_its_oom_kills_warned():
     assert (warned.ok, warned.fix) == (True, "docs/runbooks/container-oom.md")
     assert warned.detail.startswith("WARNING: 256 MiB limit; its OOM killer killed 2 process(es)")
     assert doctor.memory_check({}).detail == "no limit found"
+
+
+def test_a_gone_target_names_invoke_stage_when_the_inventory_has_a_store():
+    """After a restart /dev/shm is empty: the fix is the command that puts the target back."""
+    with_store = copy.deepcopy(GPU)
+    with_store["containers"][200]["paths"]["model_store"] = "/root/models/Qwen3.6-27B"
+    gone = {"model.dir": False, "model.config": False}
+    assert "invoke stage --ct 200" in verdicts(inv=with_store, **gone)["model"].fix
+    assert "/root/models/Qwen3.6-27B" in verdicts(inv=with_store, **gone)["model"].fix
+    assert "paths.model_store and run `invoke stage`" in verdicts(inv=GPU, **gone)["model"].fix

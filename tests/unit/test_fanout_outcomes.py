@@ -9,7 +9,8 @@ from dflash_ops.errors import DflashOpsError, FanOutFailed, HostUnreachable
 
 
 def target(host: str, ctid: int):
-    return SimpleNamespace(container=SimpleNamespace(label=f"{host}/{ctid}", host=SimpleNamespace(name=host)))
+    return SimpleNamespace(container=SimpleNamespace(label=f"{host}/{ctid}", ctid=ctid,
+                                                     host=SimpleNamespace(name=host)))
 
 
 class Checked:

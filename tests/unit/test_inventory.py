@@ -159,3 +159,15 @@ def test_secret_names_are_whole_words():
                                               "TOKENIZERS_PARALLELISM": "false", "MY_SECRET_X": "s3"})
     ct = parse_inventory(data, "inv.yaml").container(200)
     assert sorted(ct.secret_values()) == ["hf_abc", "pw1", "s3"]
+
+
+@pytest.mark.parametrize("store, said", [
+    ("models/x", "must be an absolute path"),
+    ("/dev/shm", "refusing a system directory as the model store"),
+    ("/dev/shm/m/", "must differ from paths.model"),
+])
+def test_a_model_store_is_an_absolute_path_of_its_own(store, said):
+    raw = {"hosts": {"h": {"address": "h.example"}},
+           "containers": {200: {"host": "h", "paths": {"model": "/dev/shm/m", "model_store": store}}}}
+    with pytest.raises(InventoryError, match=said):
+        parse_inventory(raw)

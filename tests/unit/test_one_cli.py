@@ -1,0 +1,109 @@
+"""One CLI: the same flag means the same thing in every task, usage errors exit 2, and the help shows
+no broken option."""
+
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import tasks
+from dflash_ops import cli, doctor, fanout, launch
+from dflash_ops.inventory import parse_inventory
+from dflash_ops.target import Target
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def every_task():
+    for name in tasks.ns.task_names:
+        yield name, tasks.ns[name]
+
+
+def flags(task):
+    return {arg.attr_name or arg.name: [n for n in arg.names] for arg in task.get_arguments()}
+
+
+@pytest.mark.parametrize("name, task", list(every_task()), ids=[n for n, _ in every_task()])
+def test_no_task_has_a_dash_for_a_short_flag_and_n_is_always_a_count(name, task):
+    for param, names in flags(task).items():
+        assert "-" not in names and "" not in names, (name, param, names)  # `--=STRING` in the help
+        if "n" in names:
+            assert param == "n", f"{name}: -n is {param}, elsewhere a count"
+
+
+def test_a_shared_option_has_one_letter_everywhere():
+    for option, letter in cli.SHORT_FLAGS.items():
+        for name, task in every_task():
+            names = flags(task).get(option)
+            if names is not None:
+                assert letter in names, (name, option, names)
+
+
+def invoke(*args):
+    return subprocess.run([sys.executable, "-m", "invoke", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_the_status_help_shows_no_broken_option():
+    r = invoke("--help", "status")
+    assert r.returncode == 0 and "--=STRING" not in r.stdout and "--min-free-shm=STRING" in r.stdout
+
+
+@pytest.mark.parametrize("args, said", [
+    (["logs", "--bogus"], "error: No idea what '--bogus' is!"),
+    (["no-such-task"], "error: No idea what 'no-such-task' is!"),
+    (["logs", "-n"], "needed value and was not given"),
+])
+def test_invokes_usage_errors_exit_2_like_every_other_usage_error(args, said):
+    r = invoke(*args)
+    assert r.returncode == 2 and said in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_a_forgotten_inventory_says_the_example_was_used():
+    env = {k: v for k, v in os.environ.items() if k != "INVOKE_DFLASH_INVENTORY"}
+    argv = [sys.executable, "-m", "invoke", "logs", "--ct", "999"]
+    r = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "container 999 is not in the inventory" in r.stderr
+    assert ("the inventory was the example inventory/production.yaml (no --inventory given and "
+            "INVOKE_DFLASH_INVENTORY not set)") in r.stderr
+    given = subprocess.run([*argv, "--inventory", "inventory/production.yaml"], cwd=REPO, capture_output=True,
+                           text=True, timeout=60, env=env)
+    assert given.returncode == 2 and "the inventory was the example" not in given.stderr
+
+
+@pytest.mark.parametrize("path, said", [
+    ("/nonexistent/x.png", "the directory /nonexistent does not exist"),
+    ("/tmp", "is a directory"),
+    ("/tmp/plot.txt", "ending in .png"),
+])
+def test_a_bad_plot_path_is_one_line_before_any_round_trip(path, said):
+    r = invoke("metrics", "--plot", path, "--dry-run", "--inventory", "inventory/production.yaml")
+    assert r.returncode == 2 and r.stderr.startswith("error: --plot ") and said in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1 and r.stdout == ""  # nothing sent, not even in the dry run
+
+
+def test_a_refused_warmup_prints_no_raw_json():
+    """The container's refusal is one JSON line before it would become the warm-up: the task turns it
+    into its one error line (`run X is alive ...`); it is not shown as it came."""
+    out = io.StringIO()
+    progress = launch.WarmupProgress(devices=["cpu"], out=out)
+    progress.write('{"error": "busy", "run": "r1"}\r\n')
+    progress.close()
+    assert out.getvalue() == "" and launch.refusal(progress.lines) == {"error": "busy", "run": "r1"}
+    progress.write("compile warm-up: starting\r\n")  # what the warm-up itself writes is shown
+    assert out.getvalue() == "compile warm-up: starting\n"
+
+
+def test_a_fan_out_rows_fix_names_its_container():
+    inv = parse_inventory({"hosts": {"h": {"address": "h.example"}},
+                           "containers": {200: {"host": "h"}, 201: {"host": "h"}}})
+    failed = fanout.Outcome(Target(inv, inv.container(201), None, False), error=doctor.DoctorFailed(
+        "1 of 11 checks failed: deployed code: 2 file(s) differ -> run `invoke deploy`"))
+    assert failed.detail.endswith("-> run `invoke deploy --ct 201`")
+    assert fanout.name_container("`invoke logs --run r -n 200`, `invoke stop --ct 200`, `invoke sandbox.up`",
+                                 201) == "`invoke logs --run r -n 200 --ct 201`, `invoke stop --ct 200`, " \
+                                         "`invoke sandbox.up`"

@@ -113,11 +113,12 @@ def sshd_session_of(deployed):
             cmd = cmdline(int(entry))
         except OSError:
             continue
-        if cmd.startswith(f"{deployed.sandbox.pct} exec 200 ") or f" {deployed.sandbox.pct} exec 200 " in cmd:
-            if " follow {" in cmd:  # the runs helper's follow verb
-                p = int(entry)
-                while p > 1:
-                    if cmdline(p).startswith("sshd: root@"):
-                        return p
-                    p = parent(p)
+        # pct exec becomes `lxc-attach ... -- <the container's argv>` (pct execs it, as pve-container):
+        # the host process whose argv runs the runs helper's follow verb, under an sshd session
+        if " follow {" in cmd and ("lxc-attach " in cmd or f"{deployed.sandbox.pct} exec 200 " in cmd):
+            p = int(entry)
+            while p > 1:
+                if cmdline(p).startswith("sshd: root@"):
+                    return p
+                p = parent(p)
     raise AssertionError("no sshd session serving a follower")

@@ -136,7 +136,7 @@ def shell(t, ct=None, inventory=None, dry_run=False):
     caches' and the inventory's environment variables, in the deployed code's directory. Exits with
     the shell's exit code. For one command without a terminal: `invoke exec -- CMD...`.
     """
-    from dflash_ops import shell as shell_mod
+    from dflash_ops.container import shell as shell_mod
 
     return shell_mod.shell(t)
 
@@ -152,7 +152,7 @@ def exec_command(t, ct=None, inventory=None, dry_run=False):
     """
     import sys
 
-    from dflash_ops import shell as shell_mod
+    from dflash_ops.container import shell as shell_mod
 
     return shell_mod.execute(t, shell_mod.command_after_dashes(sys.argv))
 
@@ -168,7 +168,7 @@ def stage(t, record=False, ct=None, group=None, inventory=None, dry_run=False):
     reports the bytes and the time. Already staged from the same record: nothing is copied. Record
     once with --record (docs/runbooks/stage-target.md). One round trip.
     """
-    from dflash_ops import stage as stage_mod
+    from dflash_ops.container import stage as stage_mod
 
     return stage_mod.stage(t, record=bool(record))
 

@@ -23,7 +23,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import commands, real_target, terminal, transport
+from . import commands, terminal, transport
+from .container import real_target
 from .errors import DeployError
 from .inventory import Container
 from .remote import readings

@@ -105,7 +105,7 @@ class Container:
     python: str = "/usr/bin/python3"
     tiny_target: bool = False
     tiny_target_fit_steps: int = 0
-    target_package: str | None = None  # a pip package shipping a GGUF target (real_target.py)
+    target_package: str | None = None  # a pip package shipping a GGUF target (container/real_target.py)
     paths: Paths = field(default_factory=Paths)
     train_config: str = "configs/production-27b.yaml"
     env: Mapping[str, str] = field(default_factory=dict)

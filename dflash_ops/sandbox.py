@@ -36,7 +36,7 @@ from pathlib import Path
 
 import yaml
 
-from . import real_target
+from .container import real_target
 from .errors import DflashOpsError, ExitStatus
 
 REPO = Path(__file__).resolve().parents[1]

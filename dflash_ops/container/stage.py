@@ -13,10 +13,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from . import commands
-from .errors import DflashOpsError, ExitStatus, UsageError
-from .inventory import Container
-from .target import Target
+from .. import commands
+from ..errors import DflashOpsError, ExitStatus, UsageError
+from ..inventory import Container
+from ..target import Target
 
 STAMP = ".dflash-staged"  # in paths.model: the sha256 of the manifest it was staged from
 ANSWER = "dflash-stage:"  # the script's last line: `dflash-stage: <what> <bytes>`

@@ -15,9 +15,9 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from . import commands
-from .errors import UsageError
-from .target import Target
+from .. import commands
+from ..errors import UsageError
+from ..target import Target
 
 # In paths.code ($1) when it exists (not yet deployed: the home directory); bash when the container
 # has it, else sh; interactive either way.

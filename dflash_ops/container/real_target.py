@@ -13,8 +13,8 @@ the previous model or the new one.
 
 from __future__ import annotations
 
-from . import commands
-from .inventory import Container
+from .. import commands
+from ..inventory import Container
 
 # pip requirement strings installed with the package: what transformers needs to read a GGUF.
 CONVERT_REQUIREMENTS = ("gguf==0.19.0", "accelerate==1.16.0")

@@ -94,7 +94,7 @@ def test_dev_shm_emptied_by_a_restart_is_refused_in_one_line_before_anything_exi
         assert "\n" not in line
         assert line.startswith(f"error: pve1/{CT}: preflight target: target checkpoint directory not found: "
                                "/dev/shm/"), line
-        assert "run `invoke deploy`" in line and "nothing was launched" in line
+        assert "run `invoke stage`" in line and "`invoke deploy`" in line and "nothing was launched" in line
         assert not run_exists(deployed, "no-target")
         assert not [p for p in deployed.processes() if "train_dflash" in p]
     finally:

@@ -24,8 +24,10 @@ VENV, RUNS, RUN = "/root/venv-sleepy", "/root/runs-sleepy", "held"
 def sleepy(deployed, tmp_path_factory):
     """An inventory whose venv python sleeps for a number no other process uses (`sleep <mark>`)."""
     mark = str(10**7 + uuid.uuid4().int % 10**7)
-    deployed.sh('mkdir -p "$1/bin" && printf "#!/bin/sh\\nexec sleep %s\\n" "$2" > "$1/bin/python" && '
-                'chmod +x "$1/bin/python"', VENV, mark)
+    # A run with a checkpoints dir: eval checks that they exist before it starts its script.
+    deployed.sh('mkdir -p "$1/bin" "$3/anyrun/checkpoints" && '
+                'printf "#!/bin/sh\\nexec sleep %s\\n" "$2" > "$1/bin/python" && '
+                'chmod +x "$1/bin/python"', VENV, mark, RUNS)
     inv = yaml.safe_load(Path(deployed.inventory).read_text())
     inv["containers"][int(CT)]["paths"].update(venv=VENV, runs=RUNS)
     path = tmp_path_factory.mktemp("sleepy") / "sleepy.yaml"

@@ -96,6 +96,17 @@ def _good_lines(count: int) -> list[str]:
     return lines[:count]
 
 
+def _read_with_bad_rows(path, bad: dict[int, str]) -> tuple[list, list[str]]:
+    """60 good rows with each of `bad` (index -> line) inserted in order, written to `path` and read:
+    (rows, the read's report lines)."""
+    lines = _good_lines(60)
+    for index, line in bad.items():
+        lines[index:index] = [line]
+    path.write_text("\n".join(lines) + "\n")
+    reports = []
+    return read_dataset(str(path), log=reports.append), reports
+
+
 def test_empty_file_is_one_line(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(DataError, match=r"^\S+empty.jsonl: empty file$"):
@@ -115,12 +126,7 @@ def test_rows_without_an_assistant_turn_and_oversized_rows_are_counted_and_skipp
     no_answer = json.dumps({"conversations": [{"role": "user", "content": "count from 1 to 3"}]})
     huge = json.dumps({"conversations": [{"role": "user", "content": "x" * (10 * MAX_ROW_BYTES)},
                                          {"role": "assistant", "content": "ok"}]})
-    lines = _good_lines(60)
-    lines[4:4] = [no_answer]
-    lines[10:10] = [huge]
-    (tmp_path / "mixed.jsonl").write_text("\n".join(lines) + "\n")
-    reports = []
-    rows = read_dataset(str(tmp_path / "mixed.jsonl"), log=reports.append)
+    rows, reports = _read_with_bad_rows(tmp_path / "mixed.jsonl", {4: no_answer, 10: huge})
     assert len(rows) == 60
     assert reports == [f"{tmp_path / 'mixed.jsonl'}: dflash rows in jsonl, 62 read, 2 skipped "
                        f"(row 5: no assistant turn; row 11: row is 10.5 MB, over the 1 MB row limit)"]
@@ -131,12 +137,7 @@ def test_deeply_nested_rows_are_counted_and_skipped_not_a_crash(tmp_path):
     abyss = "[" * 200_000 + "]" * 200_000
     deep = {"conversations": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}],
             "meta": json.loads("[" * 40 + "]" * 40)}
-    lines = _good_lines(60)
-    lines[2:2] = [abyss]
-    lines[7:7] = [json.dumps(deep)]
-    (tmp_path / "nested.jsonl").write_text("\n".join(lines) + "\n")
-    reports = []
-    rows = read_dataset(str(tmp_path / "nested.jsonl"), log=reports.append)
+    rows, reports = _read_with_bad_rows(tmp_path / "nested.jsonl", {2: abyss, 7: json.dumps(deep)})
     assert len(rows) == 60
     assert reports == [f"{tmp_path / 'nested.jsonl'}: dflash rows in jsonl, 62 read, 2 skipped "
                        f"(row 3: nested deeper than 32 levels; row 8: nested deeper than 32 levels)"]

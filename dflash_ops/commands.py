@@ -157,26 +157,6 @@ def pct_transfer(verb: str, ctid: int, src: str, dst: str, pct: str | Sequence[s
     return pct_line(pct, *argv)
 
 
-# In the container after a push: the pushed part must have the size and sha256 sent, then it is renamed
-# onto its name; else it is removed, `dflash-push: SIZE SHA256` (what landed, `-` for nothing) is
-# printed and the exit is PUSH_CHECK_EXIT. A real `pct push` exits 0 when it fails or writes short.
-PUSH_CHECK_EXIT = 97
-PUSH_CHECK = ('dest=$1 part=$2 size=$3 sum=$4; got=$(stat -c %s -- "$part" 2>/dev/null) || got=-; '
-              'h=$(sha256sum 2>/dev/null < "$part") || h=-; h=${h%% *}; '
-              'if [ "$got" = "$size" ] && [ "$h" = "$sum" ]; then exec mv -f -- "$part" "$dest"; fi; '
-              f'rm -f -- "$part"; printf \'dflash-push: %s %s\\n\' "$got" "$h"; exit {PUSH_CHECK_EXIT}')
-
-
-def pct_push_verified(ctid: int, host_path: str, ct_path: str, size: int, sha256: str,
-                      pct: str | Sequence[str] = "pct") -> str:
-    """`pct push` to `<ct_path>.dflash-part`, then in the container: size and sha256 checked, renamed
-    to `ct_path` (nothing else in the container changes when the push failed or was short)."""
-    part = f"{ct_path}.dflash-part"
-    check = pct_exec(ctid, sh_script(PUSH_CHECK, ct_path, part, str(int(size)), sha256),
-                     env={"PATH": SYSTEM_PATH}, pct=pct)
-    return f"{pct_transfer('push', ctid, host_path, part, pct=pct)} && {check}"
-
-
 def sh_script(script: str, *args: str) -> list[str]:
     """argv for a constant shell script inside the container; user values travel only as "$1".. ."""
     return ["sh", "-c", script, "sh", *[_check(a) for a in args]]

@@ -30,6 +30,7 @@ from .errors import (
     UsageError,
 )
 from .inventory import Container
+from .remote import ship
 from .target import Target
 from .transport import HostSession, Result
 
@@ -239,29 +240,41 @@ def _host_file(host: PctHost) -> tuple[str, bytes]:
     return path, data
 
 
+def _push(host, src: str, dest: str, data: bytes) -> tuple[Result, str | None]:
+    """`pct push` then the push check in the container (ship.push_line): the result, and why the file
+    is not whole at `dest` (None: it is)."""
+    r = host.run(ship.push_line(host.ct, src, dest, len(data), hashlib.sha256(data).hexdigest()))
+    if not r.ok:
+        return r, f"exit {r.exited}"
+    failed = ship.push_failure(host.ct, r, dest, len(data))
+    if failed is not None:
+        return r, str(failed)
+    try:
+        ship.answer(r.stdout, f"{host.ct.label}: push")
+    except DflashOpsError as exc:
+        return r, str(exc)
+    return r, None
+
+
 def _push_pull(host):
     src, data = _host_file(host)
     dest, back = f"{host.ct_scratch}/pushed", f"{host.host_scratch}/pulled"
-    digest = hashlib.sha256(data).hexdigest()
-    pushed = host.run(commands.pct_push_verified(host.ct.ctid, src, dest, len(data), digest,
-                                                 pct=host.ct.host.pct_command))
-    if not pushed.ok:
-        return False, f"push: {shown(pushed)}"
+    pushed, failed = _push(host, src, dest, data)
+    if failed is not None:
+        return False, f"push: {failed}; {shown(pushed)}"
     pulled = host.run(f"{host.pct('pull', host.ct.ctid, dest, back)} && sha256sum < {commands.quote(back)}")
-    return pulled.ok and pulled.stdout.split()[:1] == [digest], f"push: exit 0; pull: {shown(pulled)}"
+    digest = hashlib.sha256(data).hexdigest()
+    return pulled.ok and pulled.stdout.split()[:1] == [digest], f"push: whole; pull: {shown(pulled)}"
 
 
 def _failed_push_caught(host):
     src, data = _host_file(host)
     did = []
-    digest = hashlib.sha256(data).hexdigest()
     for source, dest in [(f"{src}-absent", f"{host.ct_scratch}/a"),
                          (src, f"{host.ct_scratch}/no-such-dir/b")]:
-        r = host.run(commands.pct_push_verified(host.ct.ctid, source, dest, len(data), digest,
-                                                pct=host.ct.host.pct_command))
-        did.append(f"{source} -> {dest}: {shown(r)}")
-        caught = transport.push_failure(host.ct, r, dest, len(data)) is not None or r.exited != 0
-        if not caught or not r.stderr.strip():
+        r, failed = _push(host, source, dest, data)
+        did.append(f"{source} -> {dest}: {failed or 'whole'}; {shown(r)}")
+        if failed is None or not r.stderr.strip():
             return False, "; ".join(did)
     left = host.exec(host.ct, ["ls", "-A", host.ct_scratch])
     extra = set(left.stdout.split()) - {"pushed"}
@@ -312,9 +325,9 @@ def _checks() -> list[Check]:
               "then pct pull and sha256sum on the host", "both exit 0 and the same sha256 on the host",
               _push_pull),
         Check("a failed push is caught with pct's words", "pct push of a missing file; pct push into a "
-              "missing dir (commands.pct_push_verified)",
+              "missing dir (remote.ship.push_line)",
               "pct's reason on stderr, and a non-zero exit or the check in the container failing "
-              f"(exit {commands.PUSH_CHECK_EXIT}); nothing left in the container", _failed_push_caught),
+              "(its short-push refusal); nothing left in the container", _failed_push_caught),
     ]
     return checks
 

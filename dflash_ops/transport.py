@@ -149,7 +149,6 @@ MISSING_EXITS = (2, 255)     # load_config's failed read leaves ENOENT (inferred
 NOT_RUNNING_EXITS = (255,)
 TRANSFER_REFUSED = re.compile(r"can only push files to a running CT"
                               r"|can only pull files from a running VM( at \S+ line \d+\.)?")
-PUSH_CHECK_FAILED = re.compile(r"^dflash-push: (\S+) (\S+)$", re.M)
 
 
 def last_line(text: str) -> str:
@@ -179,23 +178,6 @@ def classify_container_failure(ct: Container, result: Result, pty: bool = False)
 def transfer_refused(said: str, exited: int | None) -> bool:
     """pct push/pull's refusal, the same words for a stopped and a missing container."""
     return bool(TRANSFER_REFUSED.fullmatch(last_line(said))) and exited in NOT_RUNNING_EXITS
-
-
-def push_failure(ct: Container, result: Result, what: str, size: int):
-    """What `commands.pct_push_verified` found when the pushed file was not whole (None: it was).
-    A real `pct push` exits 0 when it fails and writes short without a word on a full disk."""
-    found = PUSH_CHECK_FAILED.search(result.stdout)
-    if result.exited != commands.PUSH_CHECK_EXIT or found is None:
-        return None
-    said = stderr_tail(result.stderr)
-    if said:
-        return RemoteCommandFailed(f"{ct.label}: pct push of {what} failed: {said}; nothing changed in "
-                                   "the container",
-                                   exited=result.exited, stderr_tail=said)
-    got = found.group(1) if found.group(1).isdigit() else "0"
-    return RemoteCommandFailed(f"{ct.label}: pct push of {what} wrote {got} of {size} bytes and said "
-                               "nothing (a full disk in the container?); nothing changed in the container",
-                               exited=result.exited)
 
 
 def classify_become_failure(host: Host, result: Result, pty: bool = False):

@@ -15,6 +15,8 @@ import json
 import os
 
 from dflash_ops.remote.prelude import (
+    MANIFEST,
+    REQUIREMENTS_STAMP,
     Refused,
     alive_run,
     check_deadline,
@@ -35,8 +37,6 @@ except ImportError:  # Python >= 3.12 names it _sha2; a build without either has
     except ImportError:
         from hashlib import sha256
 
-MANIFEST = ".dflash-manifest.json"
-REQUIREMENTS_STAMP = ".dflash-requirements.sha256"
 TORCH_RECORD = ".dflash-torch-check.json"  # the last passing torch check and what it depended on
 # Run by the venv's interpreter: a broken venv or torch shows up as a non-zero exit with its stderr.
 TORCH_CHECK = ("import json, torch; print(json.dumps({'torch': torch.__version__, 'cuda': "

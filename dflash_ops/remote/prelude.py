@@ -34,6 +34,8 @@ import sys
 import time
 
 LOCK, CURRENT = ".lock", ".current"
+MANIFEST = ".dflash-manifest.json"                # a release's files and their sha256 (deploy writes it)
+REQUIREMENTS_STAMP = ".dflash-requirements.sha256"  # in the venv: what it was built from (written last)
 RUN_FILES = ("pid", "pgid", "started", "ended", "exit_code", "stopped", "code_version")
 STATES = ("none", "missing", "running", "stalled", "finished", "crashed", "stopped")
 FILE_CAP = 300            # bytes kept of each small run file (pid, exit_code, ...)
@@ -178,6 +180,35 @@ def tail_lines(path, count, window=TAIL_WINDOW, cap=LINE_CAP):
     if lines and lines[-1] == b"":
         lines.pop()
     return [line[:cap * 4].decode("utf-8", "replace")[:cap] for line in lines[-count:]]
+
+
+class LineCutter:
+    """Bytes in, complete lines out (decoded, cut to `cap` characters); a line longer than that keeps
+    its first `cap` characters and the rest is dropped as it arrives: linear time, bounded memory."""
+
+    def __init__(self, cap):
+        self.cap, self.parts, self.size, self.cut = cap, [], 0, False
+
+    def feed(self, data):
+        out = []
+        pieces = data.split(b"\n")
+        for i, piece in enumerate(pieces):
+            if not self.cut:
+                room = self.cap * 4 - self.size
+                self.parts.append(piece[:room])
+                self.size += min(len(piece), room)
+                self.cut = len(piece) > room
+            if i < len(pieces) - 1:  # a newline ends this line
+                out.append(self._line())
+        return out
+
+    def _line(self):
+        line = b"".join(self.parts).decode("utf-8", "replace")[:self.cap]
+        self.parts, self.size, self.cut = [], 0, False
+        return line
+
+    def rest(self):
+        return [self._line()] if self.parts and self.size else []
 
 
 def mtime(path):

@@ -1,8 +1,25 @@
-"""Stage a new code release inside the container and swap it in atomically.
+"""Deploy's helper in the container: check a pushed file, stage a release and swap it in, build the venv
+and the tiny target.
 
-Shipped after prelude.py to `container.python` (standard library only, Python >= 3.8): one verb,
-`install`, with one JSON object {"code", "releases", "tarball", "release", "tree", "keep"}; the
-prelude's one answer out ({"ok": {"release", "previous", "pruned"}}, or a refusal).
+Shipped after prelude.py to `container.python` (standard library only, Python >= 3.8); the prelude's
+one answer out. Verbs, each with one JSON object:
+
+- `push-check` {"part", "dest", "size", "sha256"}: the file `pct push` wrote to `part` is renamed onto
+  `dest` when it has that size and sha256; else it is removed and the answer is the refusal
+  `short-push` with what landed ("got": bytes or null, "sha256"). A real `pct push` exits 0 when it
+  fails, and writes short without a word on a full disk: this is how a push is known to be whole.
+- `install` {"code", "releases", "tarball", "release", "tree", "keep", and the push's "part", "size",
+  "sha256"}: the pushed tarball checked as push-check does, then staged and swapped
+  ({"ok": {"release", "previous", "pruned"}}).
+- `venv` {"venv", "requirements", "want"}: creates the venv with this interpreter when its python does
+  not start, then `pip install -r requirements`; the requirements stamp is removed first and written
+  last, so a failed, killed or interrupted pip leaves the venv marked stale.
+- `tiny-target` {"python", "script", "out", "cwd", "fit_steps"}: make_tiny_target.py.
+
+`venv` and `tiny-target` stream the output of what they run as {"line"} items (stdout and stderr
+together, each line cut at LINE_CAP) and end it at the call's deadline ("deadline_s"): its process
+group gets SIGTERM, SIGKILL KILL_GRACE_S later, and the answer is the refusal `timeout`. A non-zero
+exit is the refusal `failed` with its "exit_code".
 
 Layout: `code` is a symlink to `releases/<release>`. The new release is built in
 `releases/.stage-<release>-<pid>` from a copy of the current one plus the tarball's changed files
@@ -16,12 +33,26 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tarfile
 import time
 
-from dflash_ops.remote.prelude import Refused, serve
+from dflash_ops.remote.prelude import (
+    LINE_CAP,
+    MANIFEST,
+    REQUIREMENTS_STAMP,
+    LineCutter,
+    Refused,
+    check_deadline,
+    emit,
+    open_regular,
+    serve,
+    time_left,
+)
 
-MANIFEST = ".dflash-manifest.json"
+KILL_GRACE_S = 5.0      # after SIGTERM, a process group left past the deadline gets SIGKILL
+PIP_INSTALL = ("-m", "pip", "install", "--disable-pip-version-check", "--no-compile", "-r")
+READ_CHUNK = 1 << 16
 
 
 def sha256(path):
@@ -132,15 +163,188 @@ def install(code, releases, args):
 
 
 def install_verb(args):
-    """`install`: stage and swap; the uploaded tarball is removed whatever happens."""
+    """`install`: the pushed tarball checked, staged and swapped; the tarball is removed whatever happens."""
     try:
+        take_pushed(args)
         return main(args)
     finally:
-        if os.path.exists(args["tarball"]):
-            os.unlink(args["tarball"])
+        for name in ("part", "tarball"):
+            if isinstance(args.get(name), str) and os.path.lexists(args[name]):
+                os.unlink(args[name])
 
 
-VERBS = {"install": install_verb}
+# --- a pushed file ----------------------------------------------------------------------------------
+
+def text(args, name):
+    """args[name] when it is a non-empty string (else the verb refuses, before it does anything)."""
+    value = args.get(name)
+    if not isinstance(value, str) or not value or "\0" in value:
+        raise Refused("bad-input", f"{name!r} is not a non-empty string")
+    return value
+
+
+def count(args, name):
+    value = args.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise Refused("bad-input", f"{name!r} is not a number >= 0")
+    return value
+
+
+def take_pushed(args):
+    """The file pushed to args["part"] renamed onto args["tarball"] or ["dest"] when its size and sha256
+    are args["size"] and ["sha256"]; else removed, and Refused("short-push") with what landed."""
+    part, size, want = text(args, "part"), count(args, "size"), text(args, "sha256")
+    dest = text(args, "dest" if "dest" in args else "tarball")
+    got = digest = None
+    try:
+        fd = open_regular(part)
+    except OSError:
+        pass  # nothing arrived (or not a file): refused below
+    else:
+        h, got = hashlib.sha256(), 0
+        with os.fdopen(fd, "rb") as f:
+            while True:
+                check_deadline(f"checking {part}")
+                chunk = f.read(READ_CHUNK)
+                if not chunk:
+                    break
+                h.update(chunk)
+                got += len(chunk)
+        digest = h.hexdigest()
+    if got == size and digest == want:
+        os.replace(part, dest)
+        return {"dest": dest, "bytes": size}
+    if os.path.lexists(part):
+        os.unlink(part)
+    landed = "nothing" if got is None else f"{got} bytes"
+    raise Refused("short-push", f"{landed} of {size} arrived in {part}, or not with the sha256 sent: removed",
+                  got=got, sha256=digest)
+
+
+# --- what deploy runs in the container, streamed, within the call's deadline -----------------------
+
+def end_group(proc):
+    """SIGTERM to the process group `proc` leads (its own), SIGKILL to what is left of it KILL_GRACE_S
+    later; the leader reaped."""
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except OSError:
+            break  # the group is gone
+        give_up = time.monotonic() + KILL_GRACE_S
+        while time.monotonic() < give_up:
+            proc.poll()  # reap the leader: a zombie still counts as a member of its group
+            try:
+                os.killpg(proc.pid, 0)
+            except OSError:
+                break
+            time.sleep(0.05)
+        else:
+            continue
+        break
+    proc.wait()
+
+
+def run_streamed(argv, what, deadline_s, cwd=None):
+    """Run argv (no stdin; stdout and stderr together) in a process group of its own, each output line
+    emitted as {"line"}. Past the call's deadline its group is ended (end_group) and the verb refuses
+    with "timeout"; a non-zero exit is Refused("failed"). A SIGTERM, SIGHUP or SIGINT reaching this
+    helper (the SSH session ended: commands.SESSION_SCRIPT) ends the group first."""
+    import select
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen(argv, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+    def ended(code):
+        def handler(*_):
+            end_group(proc)
+            os._exit(code)
+        return handler
+
+    before = {sig: signal.signal(sig, ended(code))
+              for sig, code in ((signal.SIGINT, 130), (signal.SIGHUP, 129), (signal.SIGTERM, 143))}
+    reader, fd = LineCutter(LINE_CAP), proc.stdout.fileno()
+    try:
+        while True:
+            if time_left() <= 0:
+                end_group(proc)
+                raise Refused("timeout", f"{what} did not finish within {deadline_s:g} s: ended with its "
+                              "process group (SIGTERM, then SIGKILL)")
+            if select.select([fd], [], [], min(time_left(), 0.5))[0]:
+                data = os.read(fd, READ_CHUNK)
+                if not data:
+                    break
+                for line in reader.feed(data):
+                    emit(line)
+            elif proc.poll() is not None:
+                break  # it ended; a process it left may hold the pipe open
+        for line in reader.rest():
+            emit(line)
+        try:
+            code = proc.wait(max(time_left(), 0.01))
+        except subprocess.TimeoutExpired:
+            end_group(proc)
+            raise Refused("timeout", f"{what} did not finish within {deadline_s:g} s: ended with its "
+                          "process group (SIGTERM, then SIGKILL)") from None
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+        proc.stdout.close()
+    if code != 0:
+        how = f"signal {-code}" if code < 0 else f"exit {code}"
+        raise Refused("failed", f"{what} failed ({how})", exit_code=code)
+
+
+def starts(python):
+    """Does `python -c ''` run (a venv whose interpreter is gone or broken does not)?"""
+    import subprocess
+
+    try:
+        done = subprocess.run([python, "-c", ""], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, timeout=max(1.0, min(60.0, time_left())))
+        return done.returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def venv_verb(args):
+    """`venv`: the venv created (this interpreter's `-m venv`) when its python does not start, then pip
+    installs the requirements (--no-compile: Python writes the bytecode of what is imported when it
+    is first imported, the torch check right after, instead of pip compiling every module of torch
+    and transformers up front: 28 of the 49 s that installing the requirements took on 2 cores).
+    The stamp is removed first and written last."""
+    venv, requirements, want = text(args, "venv"), text(args, "requirements"), text(args, "want")
+    deadline_s = args.get("deadline_s", time_left())
+    python, stamp = os.path.join(venv, "bin", "python"), os.path.join(venv, REQUIREMENTS_STAMP)
+    created = not starts(python)
+    if created:
+        emit(f"venv: creating {venv} with {sys.executable}")
+        run_streamed([sys.executable, "-m", "venv", "--clear", venv], f"creating the venv {venv}", deadline_s)
+    if os.path.lexists(stamp):
+        os.unlink(stamp)
+    emit(f"venv: pip install -r {requirements}")
+    run_streamed([python, *PIP_INSTALL, requirements], f"pip install -r {requirements}", deadline_s)
+    with open(stamp + ".tmp", "w") as f:
+        f.write(want + "\n")
+    os.replace(stamp + ".tmp", stamp)
+    return {"venv": venv, "created": created, "requirements": want}
+
+
+def tiny_target_verb(args):
+    """`tiny-target`: make_tiny_target.py --out OUT [--fit-steps N], run by the venv's python in `cwd`."""
+    python, script, out, cwd = (text(args, name) for name in ("python", "script", "out", "cwd"))
+    fit_steps = count(args, "fit_steps") if args.get("fit_steps") is not None else 0
+    argv = [python, script, "--out", out] + (["--fit-steps", str(fit_steps)] if fit_steps else [])
+    run_streamed(argv, f"building the tiny target in {out}", args.get("deadline_s", time_left()), cwd=cwd)
+    return {"out": out}
+
+
+VERBS = {"install": install_verb, "push-check": take_pushed, "venv": venv_verb,
+         "tiny-target": tiny_target_verb}
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from dflash_ops.remote.prelude import (
     CURRENT,
     LINE_CAP,
     TAIL_WINDOW,
+    LineCutter,
     Refused,
     container_memory,
     current_run,
@@ -446,35 +447,6 @@ def follow(args):
     state = state_of_run(runs, name, path, int(time.time()), float(args.get("stall_after", 600)))
     return {"run": name, "state": state["state"], "detail": state["detail"],
             "exit_code": state["files"].get("exit_code")}
-
-
-class LineCutter:
-    """Bytes in, complete lines out (decoded, cut to `cap` characters); a line longer than that keeps
-    its first `cap` characters and the rest is dropped as it arrives: linear time, bounded memory."""
-
-    def __init__(self, cap):
-        self.cap, self.parts, self.size, self.cut = cap, [], 0, False
-
-    def feed(self, data):
-        out = []
-        pieces = data.split(b"\n")
-        for i, piece in enumerate(pieces):
-            if not self.cut:
-                room = self.cap * 4 - self.size
-                self.parts.append(piece[:room])
-                self.size += min(len(piece), room)
-                self.cut = len(piece) > room
-            if i < len(pieces) - 1:  # a newline ends this line
-                out.append(self._line())
-        return out
-
-    def _line(self):
-        line = b"".join(self.parts).decode("utf-8", "replace")[:self.cap]
-        self.parts, self.size, self.cut = [], 0, False
-        return line
-
-    def rest(self):
-        return [self._line()] if self.parts and self.size else []
 
 
 # --- stop -------------------------------------------------------------------------------------------

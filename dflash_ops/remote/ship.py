@@ -24,7 +24,7 @@ from pathlib import Path
 from .. import commands, terminal
 from ..errors import RemoteCommandFailed, RunStateError, UntrustedData, UsageError
 from ..inventory import Container
-from ..transport import AnswerTooLarge
+from ..transport import AnswerTooLarge, stderr_tail
 from .facts import FACTS
 
 HERE = Path(__file__).parent
@@ -32,6 +32,7 @@ HELPERS = ("runs", "facts", "fetch", "history", "release")
 ANSWER_CAP = 8 << 20        # bytes of a reply read at most (metrics: METRICS_CAP)
 METRICS_CAP = 40 << 20      # the metrics verb sends up to 16 MiB of each of two files, JSON-escaped
 DEFAULT_TIMEOUT_S = 120.0   # a helper call's deadline unless the caller names one
+STREAM_GRACE_S = 30.0       # a streamed verb's answer after its deadline: ending its process group, 5 s
 PRELUDE_IMPORT = re.compile(r"^from dflash_ops\.remote\.prelude import (?:\([^)]*\)|[^\n]*)\n", re.M)
 ALL_FACTS = FACTS  # every fact the facts helper answers
 
@@ -162,6 +163,27 @@ def call(t, helper: str, verb: str, payload: dict, *, timeout: float = DEFAULT_T
     return answer(result.stdout, where, cap)
 
 
+def streamed(t, helper: str, verb: str, payload: dict, on_line, *, timeout: float,
+             env: dict | None = None, what: str | None = None):
+    """One verb whose {"line"} items are shown as they come (deploy's pip and tiny-target build):
+    each to `on_line(text)`, then its answer through `answer()`. The verb ends what it runs at
+    `timeout` (its deadline) and answers; the transport gives up STREAM_GRACE_S later. Its "ok"
+    value (None in a dry run)."""
+    ct = t.container
+    where = f"{ct.label}: {what or verb}"
+    stream = Stream(lambda item: isinstance(item.get("line"), str) and on_line(item["line"]))
+    result = t.session.run_in(ct, line(ct, helper, verb, dict(payload, deadline_s=timeout), env),
+                              timeout=timeout + STREAM_GRACE_S, out_stream=stream, check=False)
+    stream.close()
+    if t.dry_run:
+        return None
+    if stream.answer is None and not result.ok:
+        raise RemoteCommandFailed(f"{where}: exit {result.exited}: "
+                                  f"{terminal.visible(result.stderr.strip()[-300:]) or '(no stderr)'}",
+                                  exited=result.exited)
+    return answer(json.dumps(stream.answer) if stream.answer is not None else "", where)
+
+
 class Stream:
     """A helper's streamed reply (over a pty), as a file-like out_stream for the transport: each
     complete line is one JSON item; the answer ({"ok"} or {"error"}) is kept in `answer`, every
@@ -230,3 +252,38 @@ def facts(t, want=ALL_FACTS, torch_check: str = "always", timeout: float = 600.0
     if value is not None and not isinstance(value, dict):
         raise BadAnswer(f"{ct.label}: facts: the answer is not an object")
     return value
+
+
+# --- a file pushed into a container ------------------------------------------------------------
+
+def push_line(container: Container, host_path: str, ct_path: str, size: int, sha256: str) -> str:
+    """`pct push` to `<ct_path>.dflash-part`, then release.py's push-check in the container: renamed
+    to `ct_path` when its size and sha256 are these (nothing else in the container changes when the
+    push failed or was short). Read with push_failure, then answer()."""
+    part = f"{ct_path}.dflash-part"
+    check = line(container, "release", "push-check",
+                 {"part": part, "dest": ct_path, "size": int(size), "sha256": sha256})
+    push = commands.pct_transfer("push", container.ctid, host_path, part, pct=container.host.pct_command)
+    return f"{push} && {check}"
+
+
+def push_failure(container: Container, result, what: str, size: int) -> RemoteCommandFailed | None:
+    """The error for a push that was not whole (the check's `short-push` refusal), with pct's own words
+    when it said any (a real `pct push` exits 0 when it fails); None for any other reply."""
+    try:
+        answer(result.stdout, f"{container.label}: push")
+    except Refusal as refusal:
+        if refusal.kind != "short-push":
+            return None
+        said = stderr_tail(result.stderr)
+        if said:
+            return RemoteCommandFailed(f"{container.label}: pct push of {what} failed: {said}; nothing "
+                                       "changed in the container", exited=result.exited, stderr_tail=said)
+        got = refusal.extra.get("got")
+        got = got if isinstance(got, int) and not isinstance(got, bool) else 0
+        return RemoteCommandFailed(f"{container.label}: pct push of {what} wrote {got} of {size} bytes and "
+                                   "said nothing (a full disk in the container?); nothing changed in the "
+                                   "container", exited=result.exited)
+    except BadAnswer:
+        return None
+    return None

@@ -242,8 +242,10 @@ def test_dry_run_prints_the_lines_and_connects_to_nothing(box, tmp_path):
     assert " facts " in lines[0]
     assert any(ln.startswith("# sftp put ") for ln in lines)
     assert any(ln.startswith(f"{pct} push 200 /tmp/dflash-deploy-200-") for ln in lines)
-    assert any("pip install" in ln for ln in lines)
-    assert any("make_tiny_target.py --out /dev/shm/tiny-qwen3" in ln for ln in lines)
+    # deploy's helper verbs, their payloads readable in the line
+    assert any(" install '{" in ln and '"part": "/tmp/dflash-deploy-200-' in ln for ln in lines)
+    assert any(" venv '{" in ln and '"requirements": "/root/dflash/requirements.txt"' in ln for ln in lines)
+    assert any(" tiny-target '{" in ln and '"out": "/dev/shm/tiny-qwen3"' in ln for ln in lines)
     assert all(ln.startswith((pct, "# sftp")) for ln in lines)  # nothing but host lines, one per line
     with pytest.raises(BlockingIOError):
         listener.accept()  # no connection was even attempted

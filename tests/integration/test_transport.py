@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash_ops import commands, errors, fetch, transport
+from dflash_ops import errors, fetch, transport
 from dflash_ops.errors import ExitStatus
 from dflash_ops.inventory import load_inventory
+from dflash_ops.remote import ship
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -117,9 +118,7 @@ def test_push_and_stream_refusals_name_a_stopped_or_missing_container(inv):
     for ct, error in ((inv.container(201), "container 201 on host pve1 is stopped"),
                       (missing, "container 999 does not exist on host pve1")):
         with pytest.raises(errors.ContainerError, match=error):
-            s.run_in(ct,
-                     commands.pct_push_verified(ct.ctid, "/etc/hostname", "/tmp/x", 1, "0" * 64,
-                                                pct=ct.host.pct))
+            s.run_in(ct, ship.push_line(ct, "/etc/hostname", "/tmp/x", 1, "0" * 64))
         with pytest.raises(errors.ContainerError, match=error):
             list(fetch.stream(s, ct, "/etc/hostname"))
     s.close()

@@ -112,20 +112,26 @@ def test_pack_holds_only_the_changed_files_and_the_manifest(tmp_path):
 
 # --- host lines ---------------------------------------------------------------------------------
 
-def test_stage_line_pushes_checks_the_push_stages_and_always_removes_the_host_copy(ct):
+def helper_argv(words: list[str], start: int = 0) -> tuple[list[str], dict]:
+    """A shipped helper's verb and payload in a host line's words (after the loader and the packed text)."""
+    i = words.index(ship.LOADER, start)
+    return words[i + 2], json.loads(words[i + 3])
+
+
+def test_stage_line_pushes_then_installs_checking_the_push_and_always_removes_the_host_copy(ct):
     plan = deploy.make_plan(LOCAL, None)
     line = deploy.stage_line(ct, "/tmp/dflash-deploy-200-abc.tar.gz", plan, b"tar bytes")
-    words = shlex.split(line)
-    push, check, stage = words[:7], words[8:words.index("&&", 8)], words[words.index("&&", 8) + 1:]
+    words = shlex.split(line.removesuffix("; rc=$?; rm -f -- /tmp/dflash-deploy-200-abc.tar.gz; exit $rc"))
+    push, stage = words[:7], words[8:]
     assert push == ["env", "LC_ALL=C.UTF-8", "/usr/sbin/pct", "push", "200",
                     "/tmp/dflash-deploy-200-abc.tar.gz", "/tmp/dflash-deploy-200-abc.tar.gz.dflash-part"]
     assert words[7] == "&&"
-    assert check[:6] == ["env", "LC_ALL=C.UTF-8", "/usr/sbin/pct", "exec", "200", "--"] and check[-6:] == [
-        commands.PUSH_CHECK, "sh", "/tmp/dflash-deploy-200-abc.tar.gz",
-        "/tmp/dflash-deploy-200-abc.tar.gz.dflash-part",
-        "9", hashlib.sha256(b"tar bytes").hexdigest()]
     assert stage[:12] == ["env", "LC_ALL=C.UTF-8", "/usr/sbin/pct", "exec", "200", "--",
                           *commands.session_tied(["env", "-i"])]
+    verb, payload = helper_argv(stage)
+    assert verb == "install" and payload["part"] == "/tmp/dflash-deploy-200-abc.tar.gz.dflash-part"
+    assert (payload["tarball"], payload["size"], payload["sha256"]) == (
+        "/tmp/dflash-deploy-200-abc.tar.gz", 9, hashlib.sha256(b"tar bytes").hexdigest())
     assert line.endswith("; rc=$?; rm -f -- /tmp/dflash-deploy-200-abc.tar.gz; exit $rc")
     assert "\n" not in line  # dry-run prints one line per host line
     assert "'/root/my code.releases'" not in line and '"releases": "/root/my code.releases"' in line
@@ -136,17 +142,109 @@ ODD = parse_inventory({"hosts": {"pve1": {"address": "pve1.example"}},
                        "containers": {200: {"host": "pve1", "paths": ODD_PATHS}}}).container(200)
 
 
-def test_venv_and_tiny_target_lines_read_back_as_the_argv_meant():
-    """Paths with a quote and spaces: the host's shell reads back exactly the argv deploy meant."""
-    venv = shlex.split(deploy.venv_line(ODD, "abc"))
+def test_venv_and_tiny_target_are_verbs_of_deploys_helper_with_the_paths_meant():
+    """Paths with a quote and spaces travel inside the verb's JSON: the helper gets exactly them."""
+    venv = shlex.split(ship.line(ODD, "release", "venv", deploy.venv_payload(ODD, "abc"), ODD.run_env()))
     assert venv[:10] == ["env", "LC_ALL=C.UTF-8", "pct", "exec", "200", "--", *commands.session_tied([])]
-    assert venv[-8:] == ["sh", "-c", deploy.VENV_SCRIPT, "sh", "/usr/bin/python3", "/root/my venv",
-                         "/root/it's code/requirements.txt", "abc"]
+    assert helper_argv(venv) == ("venv", {"venv": "/root/my venv", "want": "abc",
+                                          "requirements": "/root/it's code/requirements.txt"})
     assert "PATH=/root/my venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin" in venv
-    tiny = shlex.split(deploy.tiny_target_line(ODD))
-    assert tiny[10:14] == ["env", "-i", "-C", "/root/it's code"]
-    assert tiny[-4:] == ["/root/my venv/bin/python", "/root/it's code/make_tiny_target.py", "--out",
-                         "/dev/shm/m 1"]
+    tiny = shlex.split(ship.line(ODD, "release", "tiny-target", deploy.tiny_target_payload(ODD)))
+    assert helper_argv(tiny) == (
+        "tiny-target", {"python": "/root/my venv/bin/python", "script": "/root/it's code/make_tiny_target.py",
+                        "out": "/dev/shm/m 1", "cwd": "/root/it's code", "fit_steps": 0})
+
+
+# --- deploy's streamed verbs (remote/release.py) run as the container runs them ---------------------
+
+# A venv whose python answers `-c ''` (it starts) and, for pip, prints what it is told to, then runs
+# $FAKE_PIP: a shell stand-in for pip that the verb runs as `<venv>/bin/python -m pip install ...`.
+FAKE_PYTHON = """#!/bin/sh
+[ "$1" = -c ] && exit 0
+printf '\033]52;c;cHduZWQ=\007 Collecting torch\n'
+printf 'to stderr\n' >&2
+eval "$FAKE_PIP"
+"""
+
+
+def fake_venv(tmp_path, monkeypatch, pip: str) -> tuple[Path, dict]:
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(FAKE_PYTHON)
+    (venv / "bin" / "python").chmod(0o755)
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "requirements.txt").write_text("torch==2.0\n")
+    monkeypatch.setenv("FAKE_PIP", pip)
+    requirements = str(tmp_path / "code" / "requirements.txt")
+    return venv, {"venv": str(venv), "requirements": requirements, "want": "w1"}
+
+
+def shipped_verb(verb: str, payload: dict, timeout: float = 60) -> tuple[list[dict], dict]:
+    """The verb run as the container runs it: (its streamed items, its answer)."""
+    argv = [sys.executable, "-S", "-c", ship.LOADER, ship.packed("release"), verb, json.dumps(payload)]
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    items = [json.loads(ln) for ln in p.stdout.splitlines()]
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+    return items[:-1], items[-1]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+
+
+def test_the_venv_verb_streams_pips_output_and_stamps_the_venv_last(tmp_path, monkeypatch):
+    venv, payload = fake_venv(tmp_path, monkeypatch, "echo Successfully installed torch-2.0")
+    (venv / prelude.REQUIREMENTS_STAMP).write_text("old\n")
+    items, answer = shipped_verb("venv", payload)
+    lines = [i["line"] for i in items]
+    assert lines[0] == f"venv: pip install -r {payload['requirements']}"
+    assert "\x1b]52;c;cHduZWQ=\x07 Collecting torch" in lines and "to stderr" in lines
+    assert lines[-1] == "Successfully installed torch-2.0"
+    assert answer == {"ok": {"venv": str(venv), "created": False, "requirements": "w1"}}
+    assert (venv / prelude.REQUIREMENTS_STAMP).read_text() == "w1\n"
+
+
+def test_a_failing_pip_is_refused_with_its_exit_code_and_leaves_the_venv_stale(tmp_path, monkeypatch):
+    venv, payload = fake_venv(tmp_path, monkeypatch, "echo 'ERROR: No matching distribution' >&2; exit 3")
+    (venv / prelude.REQUIREMENTS_STAMP).write_text("old\n")
+    items, answer = shipped_verb("venv", payload)
+    assert answer["error"] == "failed" and answer["exit_code"] == 3, answer
+    assert "ERROR: No matching distribution" in [i["line"] for i in items]
+    assert not (venv / prelude.REQUIREMENTS_STAMP).exists()
+
+
+def test_a_pip_that_hangs_is_ended_with_its_process_group_at_the_deadline(tmp_path, monkeypatch):
+    """The deadline is the verb's ("deadline_s"): pip and what it started are ended, one refusal comes
+    back, and the venv stays marked stale. (Without the deadline the run below never answers: the
+    subprocess timeout fails the test.)"""
+    pids = tmp_path / "pids"
+    venv, payload = fake_venv(tmp_path, monkeypatch, f"sleep 600 & echo $! > {pids}; echo $$ >> {pids}; wait")
+    items, answer = shipped_verb("venv", dict(payload, deadline_s=2), timeout=60)
+    assert answer["error"] == "timeout" and answer["message"] == (
+        f"pip install -r {payload['requirements']} did not finish within 2 s: ended with its process group "
+        "(SIGTERM, then SIGKILL)"), answer
+    assert any("Collecting torch" in i["line"] for i in items)  # what came before the deadline
+    started = [int(p) for p in pids.read_text().split()]
+    assert len(started) == 2 and not any(alive(p) for p in started)
+    assert not (venv / prelude.REQUIREMENTS_STAMP).exists()
+
+
+def test_the_tiny_target_verb_runs_the_build_in_its_directory_and_streams_it(tmp_path):
+    (tmp_path / "make_tiny_target.py").write_text(
+        "import os, sys; print('cwd', os.getcwd()); print('argv', sys.argv[1:])\n")
+    payload = {"python": sys.executable, "script": str(tmp_path / "make_tiny_target.py"),
+               "out": "/dev/shm/m 1", "cwd": str(tmp_path), "fit_steps": 200}
+    items, answer = shipped_verb("tiny-target", payload)
+    assert [i["line"] for i in items] == [f"cwd {tmp_path}",
+                                          "argv ['--out', '/dev/shm/m 1', '--fit-steps', '200']"]
+    assert answer == {"ok": {"out": "/dev/shm/m 1"}}
+    (tmp_path / "hangs.py").write_text("import time; time.sleep(600)\n")
+    _, hung = shipped_verb("tiny-target", dict(payload, script=str(tmp_path / "hangs.py"), deadline_s=1))
+    assert hung["error"] == "timeout", hung
 
 
 def test_script_line_runs_the_exact_script_text(tmp_path):
@@ -308,9 +406,9 @@ def test_the_tiny_target_is_fitted_only_when_the_inventory_asks():
     repo = Path(__file__).resolve().parents[2]
     ct = dataclasses.replace(load_inventory(repo / "inventory" / "production.yaml").container(200),
                              tiny_target=True)
-    assert "--fit-steps" not in deploy.tiny_target_line(ct)
-    fitted = deploy.tiny_target_line(dataclasses.replace(ct, tiny_target_fit_steps=200))
-    assert fitted.endswith("make_tiny_target.py --out /dev/shm/Qwen3.6-27B --fit-steps 200")
+    assert deploy.tiny_target_payload(ct)["fit_steps"] == 0
+    fitted = deploy.tiny_target_payload(dataclasses.replace(ct, tiny_target_fit_steps=200))
+    assert (fitted["out"], fitted["fit_steps"]) == ("/dev/shm/Qwen3.6-27B", 200)
 
 
 def test_a_real_target_package_is_installed_and_converted_in_one_line():

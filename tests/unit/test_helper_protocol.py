@@ -14,7 +14,8 @@ from dflash_ops.remote import facts, fetch, history, release, runs, ship
 MODULES = {"runs": runs, "facts": facts, "fetch": fetch, "history": history, "release": release}
 KEYS = ("runs", "name", "want", "code", "venv", "model", "caches", "run", "checkpoint", "names", "argv",
         "config", "releases", "tarball", "release", "tree", "keep", "offset", "timeout", "lines", "grace",
-        "older_than", "act")
+        "older_than", "act", "part", "dest", "size", "sha256", "requirements", "want", "python", "script",
+        "out", "cwd", "fit_steps")
 BAD = ["nope", "[1]", "null", json.dumps({key: [7] for key in KEYS})]
 
 

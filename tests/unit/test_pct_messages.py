@@ -1,13 +1,17 @@
 """pct's refusals told from a command's own failure by pct's whole last line AND its exit code, for the
 texts of pve-container 6.x (docs/design.md, "The pct contract"); a push checked in the container."""
 
+import hashlib
+import json
 import subprocess
+import sys
 
 import pytest
 
-from dflash_ops import commands, transport
+from dflash_ops import transport
 from dflash_ops.errors import ContainerMissing, ContainerStopped
 from dflash_ops.inventory import parse_inventory
+from dflash_ops.remote import ship
 from dflash_ops.transport import Result
 
 CT = parse_inventory({"hosts": {"pve1": {"address": "pve1.example"}},
@@ -53,37 +57,45 @@ def test_push_and_pull_refusals(said, exited, refused):
 
 
 def push_check(tmp_path, content: bytes | None, size: int, sha: str):
-    """commands.PUSH_CHECK run here by sh, as the container runs it; (exit, stdout, what is left)."""
+    """release.py's push-check verb run here as the container runs it (the prelude and the helper through
+    the loader, python -S); (exit, its one answer, stderr, what is left)."""
     part, dest = tmp_path / "f.dflash-part", tmp_path / "f"
     if content is not None:
         part.write_bytes(content)
-    p = subprocess.run(["sh", "-c", commands.PUSH_CHECK, "sh", str(dest), str(part), str(size), sha],
-                       capture_output=True, text=True)
-    return p.returncode, p.stdout, p.stderr, sorted(x.name for x in tmp_path.iterdir())
+    payload = {"part": str(part), "dest": str(dest), "size": size, "sha256": sha}
+    p = subprocess.run([sys.executable, "-S", "-c", ship.LOADER, ship.packed("release"), "push-check",
+                        json.dumps(payload)], capture_output=True, text=True, timeout=60)
+    return p.returncode, json.loads(p.stdout), p.stderr, sorted(x.name for x in tmp_path.iterdir())
 
 
 def test_a_whole_push_is_renamed_into_place(tmp_path):
-    import hashlib
-
     data = b"x" * 1000
-    assert push_check(tmp_path, data, 1000, hashlib.sha256(data).hexdigest()) == (0, "", "", ["f"])
+    code, answer, err, left = push_check(tmp_path, data, 1000, hashlib.sha256(data).hexdigest())
+    assert (code, err, left) == (0, "", ["f"])
+    assert answer == {"ok": {"dest": str(tmp_path / "f"), "bytes": 1000}}
     assert (tmp_path / "f").read_bytes() == data
 
 
-@pytest.mark.parametrize("content, said", [(None, "dflash-push: - -\n"), (b"x" * 10, "dflash-push: 10 ")])
-def test_a_missing_or_short_push_is_removed_and_said(tmp_path, content, said):
-    code, out, err, left = push_check(tmp_path, content, 1000, "a" * 64)
-    assert (code, err, left) == (commands.PUSH_CHECK_EXIT, "", [])
-    assert out.startswith(said)
+@pytest.mark.parametrize("content, got", [(None, None), (b"x" * 10, 10), (b"y" * 1000, 1000)])
+def test_a_missing_short_or_corrupted_push_is_removed_and_refused(tmp_path, content, got):
+    code, answer, err, left = push_check(tmp_path, content, 1000, hashlib.sha256(b"x" * 1000).hexdigest())
+    assert (code, err, left) == (0, "", [])
+    assert (answer["error"], answer["got"]) == ("short-push", got)
+    assert answer["sha256"] == (hashlib.sha256(content).hexdigest() if content is not None else None)
+
+
+def refused(got) -> str:
+    return json.dumps({"error": "short-push", "message": "m", "got": got, "sha256": None}) + "\n"
 
 
 def test_push_failure_carries_pcts_words_or_the_short_count():
-    failed = Result("", stdout="dflash-push: - -\n", stderr="failed to open /tmp/t.tar.gz for reading\n",
-                    exited=commands.PUSH_CHECK_EXIT)
-    assert str(transport.push_failure(CT, failed, "the tarball", 1000)) == (
+    failed = Result("", stdout=refused(None), stderr="failed to open /tmp/t.tar.gz for reading\n")
+    assert str(ship.push_failure(CT, failed, "the tarball", 1000)) == (
         "pve1/200: pct push of the tarball failed: failed to open /tmp/t.tar.gz for reading; nothing "
         "changed in the container")
-    short = Result("", stdout=f"dflash-push: 512 {'e' * 64}\n", exited=commands.PUSH_CHECK_EXIT)
-    assert ("wrote 512 of 1000 bytes and said nothing"
-            in str(transport.push_failure(CT, short, "the tarball", 1000)))
-    assert transport.push_failure(CT, Result("", stdout="dflash-push: - -\n", exited=1), "x", 1) is None
+    short = Result("", stdout=refused(512))
+    said = str(ship.push_failure(CT, short, "the tarball", 1000))
+    assert "wrote 512 of 1000 bytes and said nothing" in said
+    # the check's answer only: a whole push, another refusal, no answer at all
+    for stdout in ('{"ok": {"dest": "/x", "bytes": 1}}\n', '{"error": "mismatch", "message": "m"}\n', ""):
+        assert ship.push_failure(CT, Result("", stdout=stdout), "x", 1) is None

@@ -270,24 +270,6 @@ def logs(t, run=None, n=50, follow=False, raw=False, ct=None, group=None, invent
     return logs_mod.show(t, run, n, follow, raw=bool(raw))
 
 
-def _status_one(t, run=None, json=False, stall_after=600, dry_run=False, watch=False, interval=5, **_):
-    from dflash_ops import status as status_mod
-
-    if watch and not (json or dry_run):
-        from dflash_ops.oncall import watch as watch_mod
-        watch_mod.watch(t, run, float(stall_after), float(interval))  # a live view: it draws itself
-        return None
-    st = status_mod.gather(t, run, float(stall_after))
-    return None if st is None else status_mod.View(st, t.container.label, as_json=bool(json))
-
-
-def _status_rows(targets, run=None, json=False, stall_after=600, **_):
-    """Several containers: one compact row each; --json: {container: facts} on stdout."""
-    from dflash_ops import status as status_mod
-
-    return status_mod.fan_out(targets, run, stall_after, json)
-
-
 @op_task(optional=["prometheus"], help={
     "run": "run name (default: the latest run)",
     "json": "print the facts as JSON for scripts",
@@ -316,26 +298,12 @@ def status(c, run=None, json=False, stall_after=600, ct=None, group=None, invent
     UNKNOWN (host unreachable, host key refused, bad flag). With --ct 200,201 or --group the worst
     verdict comes first, then one line per container.
     """
-    if check:
-        from dflash_ops.oncall import alerting, monitoring
+    from dflash_ops.oncall import alerting
 
-        def thresholds_and_targets():
-            return (monitoring.Thresholds(float(stall_after), float(hang_after),
-                                          monitoring.parse_size(min_free, "--min-free"),
-                                          monitoring.parse_size(min_free_shm, "--min-free-shm")),
-                    cli.targets(c, ct, group, inventory, dry_run))
-
-        return alerting.check(thresholds_and_targets, run)
-    if prometheus is not None:
-        from dflash_ops.oncall import alerting
-
-        return alerting.export_metrics(cli.targets(c, ct, group, inventory, dry_run), run,
-                                       float(stall_after), None if prometheus is True else prometheus)
-    # monitoring (above) takes every selected container as it is (a bad inventory is UNKNOWN too);
-    # the view fans out like any task
-    cli.on_targets(_status_one, fan_out=_status_rows)(
-        c, run=run, json=json, stall_after=stall_after, ct=ct, group=group, inventory=inventory,
-        dry_run=dry_run, watch=watch, interval=interval)
+    return alerting.status(c, run=run, json=json, stall_after=stall_after, ct=ct, group=group,
+                           inventory=inventory, dry_run=dry_run, watch=watch, interval=interval, plugin=check,
+                           hang_after=hang_after, min_free=min_free, min_free_shm=min_free_shm,
+                           prometheus=prometheus)
 
 
 @op_task(name="watch", help={

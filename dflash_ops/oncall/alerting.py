@@ -5,6 +5,8 @@
 - `export_metrics(...)`: `status --prometheus [FILE]`, the text format (prometheus.py), to stdout or
   atomically to FILE.
 - `watch(...)`: `invoke watch --run NAME`, events (events.py) to stdout and to the sinks (notify.py).
+- `status(c, ...)`: `invoke status` routed once: --check, --prometheus, else the view (status.py; with
+  --watch the live view, oncall/watch.py) on the containers --ct/--group select.
 Each container costs one round trip (`status.gather`); hosts are read in parallel.
 """
 
@@ -13,11 +15,12 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
-from .. import fanout, runs
+from .. import cli, fanout, runs
 from .. import status as status_mod
 from ..errors import ContainerError, DflashOpsError, RunStateError, UsageError
 from ..terminal import plugin, visible
 from . import events, monitoring, notify, prometheus
+from . import watch as live
 
 
 def collect(targets, run, stall_after) -> list[tuple]:
@@ -131,3 +134,41 @@ def watch(t, run, every, stall_after, hang_after, webhook=None, notify_cmd=None,
     if final in ("crashed", "missing", "none"):
         raise RunStateError(f"run {run} on {t.container.label} {final if final == 'crashed' else 'is gone'}")
     return final
+
+
+# --- `invoke status`: the view, or the monitoring surfaces ------------------------------------------
+
+def status(c, run=None, json=False, stall_after=600, ct=None, group=None, inventory=None, dry_run=False,
+           watch=False, interval=5, plugin=False, hang_after=1800, min_free="10G", min_free_shm="512M",
+           prometheus=None) -> Report | None:
+    """The status task: --check (`plugin`) and --prometheus take every selected container as it
+    is (a bad inventory is UNKNOWN too); the view fans out like any task (cli.on_targets: shown there,
+    None returned)."""
+    if plugin:
+        def thresholds_and_targets():
+            return (monitoring.Thresholds(float(stall_after), float(hang_after),
+                                          monitoring.parse_size(min_free, "--min-free"),
+                                          monitoring.parse_size(min_free_shm, "--min-free-shm")),
+                    cli.targets(c, ct, group, inventory, dry_run))
+
+        return check(thresholds_and_targets, run)
+    if prometheus is not None:
+        return export_metrics(cli.targets(c, ct, group, inventory, dry_run), run, float(stall_after),
+                              None if prometheus is True else prometheus)
+    cli.on_targets(_status_one, fan_out=_status_rows)(
+        c, run=run, json=json, stall_after=stall_after, ct=ct, group=group, inventory=inventory,
+        dry_run=dry_run, watch=watch, interval=interval)
+    return None
+
+
+def _status_one(t, run=None, json=False, stall_after=600, dry_run=False, watch=False, interval=5, **_):
+    if watch and not (json or dry_run):
+        live.watch(t, run, float(stall_after), float(interval))  # a live view: it draws itself
+        return None
+    st = status_mod.gather(t, run, float(stall_after))
+    return None if st is None else status_mod.View(st, t.container.label, as_json=bool(json))
+
+
+def _status_rows(targets, run=None, json=False, stall_after=600, **_):
+    """Several containers: one compact row each; --json: {container: facts} on stdout."""
+    return status_mod.fan_out(targets, run, stall_after, json)

@@ -14,6 +14,9 @@ from training_runs import CT, REPO, Deployed
 from waiting import wait_for
 from webhook_receiver import Receiver
 
+from dflash_ops.errors import ExitStatus
+from dflash_ops.oncall import monitoring
+
 pytestmark = pytest.mark.integration
 RUNS = "/root/runs"
 
@@ -54,7 +57,7 @@ def test_a_pipe_and_unicode_line_breaks_in_a_run_file_stay_in_one_plugin_line(bo
     sh(box, f'echo c1 > {RUNS}/.current')
     r = invoke(box, "status", "--check", "--run", "c1")
     lines = r.stdout.splitlines()  # as Nagios/Icinga split a plugin's output: every line break
-    assert r.returncode == 2 and len(lines) == 1, r.stdout
+    assert r.returncode == monitoring.CRITICAL and len(lines) == 1, r.stdout
     assert r.stdout.count("|") == 1 and "999999" not in r.stdout.split(" | ")[1], r.stdout
     assert lines[0].startswith("CRITICAL - pve1/200: run c1 crashed: exit 1 <U+007C> step=999999"), lines
 
@@ -71,7 +74,7 @@ def test_the_webhook_text_of_a_planted_crash_pages_nobody_and_links_nothing(box,
         r = invoke(box, "watch", "--run", "c2", "--every", "1", "--webhook-file", str(url_file))
     finally:
         hook.close()
-    assert r.returncode == 6, r.stdout + r.stderr  # the run crashed
+    assert r.returncode == ExitStatus.RUN_STATE, r.stdout + r.stderr  # the run crashed
     texts = [b["text"] for b in hook.bodies]
     assert texts and all("@channel" not in t and "@all" not in t and "](" not in t and "![" not in t
                          for t in texts), texts
@@ -81,7 +84,7 @@ def test_the_webhook_text_of_a_planted_crash_pages_nobody_and_links_nothing(box,
 
 def test_a_webhook_url_in_argv_is_refused_in_one_line(box, clean):
     r = invoke(box, "watch", "--run", "c3", "--webhook", "https://bot:hunter2@hooks.example/T0/B0/SECRETtoken")
-    assert r.returncode == 2 and r.stdout == "", r
+    assert r.returncode == ExitStatus.USAGE and r.stdout == "", r
     assert len(r.stderr.splitlines()) == 1 and "--webhook-file FILE" in r.stderr, r.stderr
     assert "hunter2" not in r.stderr and "SECRETtoken" not in r.stderr
 
@@ -107,7 +110,7 @@ def test_prune_follows_no_symlink_keeps_the_run_holding_the_lock_and_lists_what_
         wait_for("the fake run's wrapper", lambda: "sleep 600" in sh(box, "ps -eo args"), timeout=60,
                  every=0.2)
         r = invoke(box, "prune", "--keep", "3", "--yes")
-        assert r.returncode == 0, r.stdout + r.stderr
+        assert r.returncode == ExitStatus.OK, r.stdout + r.stderr
         left = sh(box, f"ls -1 {RUNS}").splitlines()
         assert left == ["alive1", "elsewhere", "linked", "newest", "not a run", "old2"], r.stdout
         assert sh(box, "ls /root/outside").split() == ["latest", "step-1", "step-2", "step-3"], r.stdout

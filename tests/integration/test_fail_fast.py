@@ -6,6 +6,8 @@ the venv's Python never started."""
 import pytest
 from deployed_box import seeded_box
 
+from dflash_ops.errors import ExitStatus
+
 pytestmark = pytest.mark.integration
 
 
@@ -13,18 +15,22 @@ pytestmark = pytest.mark.integration
 def box(sandbox_factory, tmp_path_factory, template):
     b = seeded_box(sandbox_factory, tmp_path_factory, template)
     r = b.invoke("deploy")
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == ExitStatus.OK, r.stderr
     b.sh("mkdir -p /root/runs/r1/checkpoints/step-2 && "
          "echo '{}' > /root/runs/r1/checkpoints/step-2/config.json")
     return b
 
 
 @pytest.mark.parametrize("args, code, said", [
-    (["eval", "--run", "nosuch"], 6, "no run 'nosuch' on pve1/200"),
-    (["eval", "--run", "r1", "--checkpoint", "step-9"], 6, "run r1: no checkpoint 'step-9' on pve1/200"),
-    (["eval", "--run", "r1", "--prompts", "/root/no.jsonl"], 12, "--prompts /root/no.jsonl: no such file"),
-    (["regenerate", "--target", "/root/nope"], 12, "target /root/nope: no such directory or no config.json"),
-    (["regenerate", "--src", "data/nope.jsonl"], 12, "--src data/nope.jsonl: no such file or directory"),
+    (["eval", "--run", "nosuch"], ExitStatus.RUN_STATE, "no run 'nosuch' on pve1/200"),
+    (["eval", "--run", "r1", "--checkpoint", "step-9"], ExitStatus.RUN_STATE,
+     "run r1: no checkpoint 'step-9' on pve1/200"),
+    (["eval", "--run", "r1", "--prompts", "/root/no.jsonl"], ExitStatus.PREFLIGHT,
+     "--prompts /root/no.jsonl: no such file"),
+    (["regenerate", "--target", "/root/nope"], ExitStatus.PREFLIGHT,
+     "target /root/nope: no such directory or no config.json"),
+    (["regenerate", "--src", "data/nope.jsonl"], ExitStatus.PREFLIGHT,
+     "--src data/nope.jsonl: no such file or directory"),
 ])
 def test_a_wrong_path_is_refused_before_the_script_starts(box, args, code, said):
     box.count_venv_starts()

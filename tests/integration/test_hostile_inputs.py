@@ -90,7 +90,7 @@ def started_pid(stdout: str) -> int:
 def test_hostile_run_names_are_refused_in_one_line_and_create_nothing(deployed, name):
     for task in (["train"], ["logs"], ["status"], ["stop"]):
         r = deployed.invoke(*task, "--run", name, check=False)
-        assert "a run name is 1-64 characters" in one_line_error(r, 2)
+        assert "a run name is 1-64 characters" in one_line_error(r, ExitStatus.USAGE)
     assert (deployed.container("ls", "-A", "/root/runs", check=False).stdout.split()
             in ([], [".lock"], [".current", ".lock"]))
 
@@ -149,10 +149,11 @@ def _yaml_or_none(text):
 def test_hostile_config_paths_are_missing_files_not_commands(deployed):
     for config in [f"configs/x.yaml; touch {MARK}", f"$(touch {MARK})", f"/tmp/`touch {MARK}`.yaml"]:
         r = deployed.invoke("train", "--run", "cfg", "--config", config, check=False)
-        line = one_line_error(r, 5)
+        line = one_line_error(r, ExitStatus.REMOTE_FAILED)
         assert "not found in the container; check --config" in line and config in line
     for config in ["-rf", "a\nb"]:
-        assert "--config" in one_line_error(deployed.invoke("train", "--config", config, check=False), 2)
+        refused = deployed.invoke("train", "--config", config, check=False)
+        assert "--config" in one_line_error(refused, ExitStatus.USAGE)
 
 
 HOSTILE_NUMBERS = (["logs", "-n", f"5; touch {MARK}"], ["status", "--stall-after", f"$(touch {MARK})"],
@@ -166,13 +167,13 @@ def test_hostile_numbers_are_refused_and_execute_nothing(deployed):
 
 def test_hostile_numbers_are_one_line_errors(deployed):
     for args in HOSTILE_NUMBERS:
-        one_line_error(deployed.invoke(*args, check=False), 2)
+        one_line_error(deployed.invoke(*args, check=False), ExitStatus.USAGE)
 
 
 def test_a_value_too_long_for_any_shell_is_refused_in_one_line(deployed):
     r = deployed.invoke("train", "--run", "long", "--set", "data.assistant_header=" + "L" * 100_000,
                         check=False)
-    assert "more than the 131071 a remote shell accepts" in one_line_error(r, 2)
+    assert "more than the 131071 a remote shell accepts" in one_line_error(r, ExitStatus.USAGE)
     assert deployed.container("test", "-e", "/root/runs/long", check=False).returncode == 1
 
 

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dflash_ops.errors import ExitStatus
+
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 INVOKE = str(REPO / ".venv/bin/invoke")
@@ -40,13 +42,13 @@ def test_exec_runs_with_the_run_environment_and_keeps_arguments_and_the_exit_cod
 
 def test_exec_shows_control_characters_visibly(box):
     r = invoke(box, "exec", "--ct", "200", "--", "printf", "\\033]0;title\\007ok")
-    assert r.returncode == 0 and r.stdout == "^[]0;title^Gok"
+    assert r.returncode == ExitStatus.OK and r.stdout == "^[]0;title^Gok"
 
 
 @pytest.mark.parametrize("args, code, said", [
-    (["exec", "--ct", "200"], 2, "error: exec: give the command after --"),
-    (["exec", "--ct", "200", "--"], 2, "error: exec: the command after -- is empty"),
-    (["shell", "--ct", "200"], 2, "error: shell needs a terminal on stdin"),
+    (["exec", "--ct", "200"], ExitStatus.USAGE, "error: exec: give the command after --"),
+    (["exec", "--ct", "200", "--"], ExitStatus.USAGE, "error: exec: the command after -- is empty"),
+    (["shell", "--ct", "200"], ExitStatus.USAGE, "error: shell needs a terminal on stdin"),
 ])
 def test_bad_input_is_one_line(box, args, code, said):
     r = invoke(box, *args, stdin=subprocess.DEVNULL)
@@ -56,7 +58,7 @@ def test_bad_input_is_one_line(box, args, code, said):
 
 def test_exec_in_a_stopped_container_says_so(box):
     r = invoke(box, "exec", "--ct", "201", "--", "true")
-    assert r.returncode == 4 and "Traceback" not in r.stderr
+    assert r.returncode == ExitStatus.CONTAINER and "Traceback" not in r.stderr
     assert r.stderr.splitlines()[-1].startswith("error: container 201 on host pve1 is stopped")
 
 
@@ -113,19 +115,20 @@ def stage(staging, *args):
 
 def test_stage_copies_the_store_checked_against_the_record_and_reports_bytes_and_time(box, staging):
     r = stage(staging)
-    assert r.returncode == 5 and r.stderr.count("\n") == 1, r.stderr
+    assert r.returncode == ExitStatus.REMOTE_FAILED and r.stderr.count("\n") == 1, r.stderr
     assert f"no recorded checksum {STORE}.sha256" in r.stderr and "invoke stage --record" in r.stderr
     r = stage(staging, "--record")
-    assert r.returncode == 0 and f"recorded the sha256 of every file of {STORE}" in r.stdout, r.stderr
+    assert r.returncode == ExitStatus.OK, r.stderr
+    assert f"recorded the sha256 of every file of {STORE}" in r.stdout, r.stderr
     r = stage(staging)
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == ExitStatus.OK, r.stderr
     assert f"staged {STORE} -> {MODEL} on pve1/200:" in r.stdout
     assert " s (" in r.stdout and "bytes" in r.stdout
     listed = in_ct(box, f"cd {MODEL} && find . -type f | sort && sha256sum -c --quiet {STORE}.sha256 && "
                         "echo same")
     assert listed == "./.dflash-staged\n./config.json\n./model.safetensors\n./sub/b\nsame\n"
     again = stage(staging)
-    assert again.returncode == 0 and "already staged" in again.stdout, again.stderr
+    assert again.returncode == ExitStatus.OK and "already staged" in again.stdout, again.stderr
 
 
 def test_a_store_that_no_longer_matches_its_record_replaces_nothing(box, staging):
@@ -133,7 +136,7 @@ def test_a_store_that_no_longer_matches_its_record_replaces_nothing(box, staging
     in_ct(box, f"rm -rf {MODEL}; echo changed > {STORE}/sub/b")  # a restart, and a damaged store
     try:
         r = stage(staging)
-        assert r.returncode == 9 and r.stderr.count("\n") == 1, r.stderr
+        assert r.returncode == ExitStatus.CHECKSUM_MISMATCH and r.stderr.count("\n") == 1, r.stderr
         assert f"does not match {STORE}.sha256" in r.stderr and "sub/b" in r.stderr
         assert in_ct(box, f"ls -d {MODEL}* /dev/shm/*.dflash-stage.* 2>/dev/null; true") == ""  # nothing left
     finally:
@@ -143,20 +146,22 @@ def test_a_store_that_no_longer_matches_its_record_replaces_nothing(box, staging
 def test_a_pinned_run_is_never_pruned(box):
     in_ct(box, "mkdir -p /root/runs/best/checkpoints && sleep 1.1 && mkdir -p /root/runs/later/checkpoints")
     r = invoke(box, "runs", "--ct", "200", "--pin", "best")
-    assert r.returncode == 0 and "(pinned)" in r.stdout, r.stderr
+    assert r.returncode == ExitStatus.OK and "(pinned)" in r.stdout, r.stderr
     dry = invoke(box, "prune", "--ct", "200", "--keep", "1")
     assert "kept       pinned run best (never touched;" in dry.stdout and "run        " not in dry.stdout
     done = invoke(box, "prune", "--ct", "200", "--keep", "1", "--yes")
-    assert done.returncode == 0 and in_ct(box, "ls /root/runs").split() == ["best", "later"], done.stdout
-    assert invoke(box, "runs", "--ct", "200", "--unpin", "best").returncode == 0
+    assert done.returncode == ExitStatus.OK, done.stdout
+    assert in_ct(box, "ls /root/runs").split() == ["best", "later"], done.stdout
+    assert invoke(box, "runs", "--ct", "200", "--unpin", "best").returncode == ExitStatus.OK
     assert "run" in invoke(box, "prune", "--ct", "200", "--keep", "1").stdout.split("\n", 2)[1]
     missing = invoke(box, "runs", "--ct", "200", "--pin", "nosuch")
-    assert missing.returncode == 6 and missing.stderr.count("\n") == 1 and "no run 'nosuch'" in missing.stderr
+    assert missing.returncode == ExitStatus.RUN_STATE
+    assert missing.stderr.count("\n") == 1 and "no run 'nosuch'" in missing.stderr
 
 
 def test_sandbox_down_purge_leaves_nothing_on_disk(sandbox_factory):
     sb = sandbox_factory(containers=(200,))
     r = subprocess.run([INVOKE, "sandbox.down", "--purge"], cwd=REPO, capture_output=True, text=True,
                        timeout=120, env={**os.environ, "DFLASH_SANDBOX_STATE": str(sb.state_dir)})
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == ExitStatus.OK, r.stderr
     assert f"removed {Path(sb.state_dir).resolve()}" in r.stdout and not Path(sb.state_dir).exists()

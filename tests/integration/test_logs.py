@@ -7,6 +7,8 @@ import signal
 import pytest
 from training_runs import LONG, deployed  # noqa: F401 (deployed: the module's container)
 
+from dflash_ops.errors import ExitStatus
+
 pytestmark = pytest.mark.integration
 
 
@@ -32,7 +34,7 @@ def test_ctrl_c_stops_following_and_leaves_no_tail(deployed, live_run):
     p = start_following(deployed, live_run)
     p.send_signal(signal.SIGINT)  # what Ctrl-C in a terminal sends
     out = p.communicate(timeout=60)[0]
-    assert p.returncode == 0, out
+    assert p.returncode == ExitStatus.OK, out
     assert "stopped following; the run goes on" in out
     deployed.wait_for("the follower to be gone", lambda: not follower_processes(deployed), timeout=30)
     assert deployed.status(live_run)["state"] == "running"
@@ -43,7 +45,7 @@ def test_dropped_connection_exits_with_a_message_and_leaves_no_tail(deployed, li
     session = sshd_session_of(deployed)
     os.kill(session, signal.SIGKILL)  # the SSH connection drops
     out = p.communicate(timeout=60)[0]
-    assert p.returncode == 3, out
+    assert p.returncode == ExitStatus.UNREACHABLE, out
     assert "the connection was lost" in out and "invoke logs --follow" in out
     deployed.wait_for("the follower to be gone", lambda: not follower_processes(deployed), timeout=30)
     assert deployed.status(live_run)["state"] == "running"
@@ -65,7 +67,7 @@ def test_follow_keeps_up_when_the_run_is_stopped_and_restarted(deployed, live_ru
         assert line, "the follower ended instead of following the restarted run: " + "".join(seen[-5:])
         seen.append(line)
     p.send_signal(signal.SIGINT)
-    assert p.communicate(timeout=60)[1] is None and p.returncode == 0
+    assert p.communicate(timeout=60)[1] is None and p.returncode == ExitStatus.OK
     deployed.wait_for("the follower to be gone", lambda: not follower_processes(deployed), timeout=30)
 
 
@@ -77,7 +79,7 @@ def test_follow_keeps_up_across_truncation_and_ends_with_the_run(deployed, live_
     pid = deployed.run_file(live_run, "pid").strip()
     deployed.container("kill", "-KILL", pid)  # the run ends; its wrapper logs that and frees the lock
     out = p.communicate(timeout=120)[0]
-    assert p.returncode == 0, out
+    assert p.returncode == ExitStatus.OK, out
     after = out[out.index("file truncated"):]
     assert "dflash-ops: training process" in after and " ended: exit " in after
     assert after.rstrip().splitlines()[-1].startswith(f"==> dflash-ops: run {live_run} is not running "

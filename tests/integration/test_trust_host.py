@@ -9,6 +9,8 @@ import paramiko
 import pytest
 import yaml
 
+from dflash_ops.errors import ExitStatus
+
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 
@@ -28,13 +30,14 @@ def trust_host(sandbox, tmp_path, known_hosts: str | None, *args):
 
 def test_a_pinned_key_that_matches_says_so(sandbox, tmp_path):
     r = trust_host(sandbox, tmp_path, None)
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == ExitStatus.OK, r.stderr
     assert "pinned, matches:" in r.stdout and "not pinned" not in r.stdout
 
 
 def test_no_entry_is_not_pinned(sandbox, tmp_path):
     r = trust_host(sandbox, tmp_path, "")
-    assert r.returncode == 0 and "not pinned: re-run with --fingerprint SHA256:" in r.stdout, r.stderr
+    assert r.returncode == ExitStatus.OK, r.stderr
+    assert "not pinned: re-run with --fingerprint SHA256:" in r.stdout, r.stderr
 
 
 def test_another_key_is_changed_and_exits_3(sandbox, tmp_path):
@@ -43,6 +46,6 @@ def test_another_key_is_changed_and_exits_3(sandbox, tmp_path):
     name = host["address"] if host.get("port", 22) == 22 else f"[{host['address']}]:{host['port']}"
     other = paramiko.ECDSAKey.generate()
     r = trust_host(sandbox, tmp_path, f"{name} {other.get_name()} {other.get_base64()}\n")
-    assert r.returncode == 3, r.stdout + r.stderr
+    assert r.returncode == ExitStatus.UNREACHABLE, r.stdout + r.stderr
     assert "CHANGED:" in r.stdout and "not pinned" not in r.stdout
     assert r.stderr.startswith("error: host key of") and "CHANGED: nothing pinned" in r.stderr

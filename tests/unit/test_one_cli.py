@@ -11,6 +11,7 @@ import pytest
 
 import tasks
 from dflash_ops import cli, doctor, fanout, launch
+from dflash_ops.errors import ExitStatus
 from dflash_ops.inventory import parse_inventory
 from dflash_ops.target import Target
 
@@ -49,7 +50,8 @@ def invoke(*args):
 
 def test_the_status_help_shows_no_broken_option():
     r = invoke("--help", "status")
-    assert r.returncode == 0 and "--=STRING" not in r.stdout and "--min-free-shm=STRING" in r.stdout
+    assert r.returncode == ExitStatus.OK
+    assert "--=STRING" not in r.stdout and "--min-free-shm=STRING" in r.stdout
 
 
 @pytest.mark.parametrize("args, said", [
@@ -59,20 +61,20 @@ def test_the_status_help_shows_no_broken_option():
 ])
 def test_invokes_usage_errors_exit_2_like_every_other_usage_error(args, said):
     r = invoke(*args)
-    assert r.returncode == 2 and said in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert r.returncode == ExitStatus.USAGE and said in r.stderr and r.stderr.count("\n") == 1, r.stderr
 
 
 def test_a_forgotten_inventory_says_the_example_was_used():
     env = {k: v for k, v in os.environ.items() if k != "INVOKE_DFLASH_INVENTORY"}
     argv = [sys.executable, "-m", "invoke", "logs", "--ct", "999"]
     r = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=60, env=env)
-    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.returncode == ExitStatus.USAGE and r.stderr.count("\n") == 1, r.stderr
     assert "container 999 is not in the inventory" in r.stderr
     assert ("the inventory was the example inventory/production.yaml (no --inventory given and "
             "INVOKE_DFLASH_INVENTORY not set)") in r.stderr
     given = subprocess.run([*argv, "--inventory", "inventory/production.yaml"], cwd=REPO, capture_output=True,
                            text=True, timeout=60, env=env)
-    assert given.returncode == 2 and "the inventory was the example" not in given.stderr
+    assert given.returncode == ExitStatus.USAGE and "the inventory was the example" not in given.stderr
 
 
 @pytest.mark.parametrize("path, said", [
@@ -82,7 +84,8 @@ def test_a_forgotten_inventory_says_the_example_was_used():
 ])
 def test_a_bad_plot_path_is_one_line_before_any_round_trip(path, said):
     r = invoke("metrics", "--plot", path, "--dry-run", "--inventory", "inventory/production.yaml")
-    assert r.returncode == 2 and r.stderr.startswith("error: --plot ") and said in r.stderr, r.stderr
+    assert r.returncode == ExitStatus.USAGE, r.stderr
+    assert r.stderr.startswith("error: --plot ") and said in r.stderr, r.stderr
     assert r.stderr.count("\n") == 1 and r.stdout == ""  # nothing sent, not even in the dry run
 
 

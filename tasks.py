@@ -298,12 +298,9 @@ def status(c, run=None, json=False, stall_after=600, ct=None, group=None, invent
     UNKNOWN (host unreachable, host key refused, bad flag). With --ct 200,201 or --group the worst
     verdict comes first, then one line per container.
     """
-    from dflash_ops.oncall import alerting
-
-    return alerting.status(c, run=run, json=json, stall_after=stall_after, ct=ct, group=group,
-                           inventory=inventory, dry_run=dry_run, watch=watch, interval=interval, plugin=check,
-                           hang_after=hang_after, min_free=min_free, min_free_shm=min_free_shm,
-                           prometheus=prometheus)
+    return cli.status(c, run=run, json=json, stall_after=stall_after, ct=ct, group=group, inventory=inventory,
+                      dry_run=dry_run, watch=watch, interval=interval, check=check, hang_after=hang_after,
+                      min_free=min_free, min_free_shm=min_free_shm, prometheus=prometheus)
 
 
 @op_task(name="watch", help={

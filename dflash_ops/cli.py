@@ -198,6 +198,27 @@ def on_targets(fn, fan_out):
     return run
 
 
+def status(c, run=None, json=False, stall_after=600, ct=None, group=None, inventory=None, dry_run=False,
+           watch=False, interval=5, check=False, hang_after=1800, min_free="10G", min_free_shm="512M",
+           prometheus=None):
+    """`invoke status`, routed once: --check and --prometheus take every selected container as it is
+    (a bad inventory is UNKNOWN too: oncall/alerting.py); the view fans out like any task."""
+    from .oncall import alerting
+
+    def chosen():
+        return targets(c, ct, group, inventory, dry_run)
+
+    if check:
+        return alerting.plugin_check(chosen, run, stall_after, hang_after, min_free, min_free_shm)
+    if prometheus is not None:
+        return alerting.export_metrics(chosen(), run, float(stall_after),
+                                       None if prometheus is True else prometheus)
+    on_targets(alerting.status_one, fan_out=alerting.status_rows)(
+        c, run=run, json=json, stall_after=stall_after, ct=ct, group=group, inventory=inventory,
+        dry_run=dry_run, watch=watch, interval=interval)
+    return None
+
+
 def shows(fn):
     """A task body that takes Invoke's context: what it returns is shown (`show`)."""
 

@@ -5,8 +5,8 @@
 - `export_metrics(...)`: `status --prometheus [FILE]`, the text format (prometheus.py), to stdout or
   atomically to FILE.
 - `watch(...)`: `invoke watch --run NAME`, events (events.py) to stdout and to the sinks (notify.py).
-- `status(c, ...)`: `invoke status` routed once: --check, --prometheus, else the view (status.py; with
-  --watch the live view, oncall/watch.py) on the containers --ct/--group select.
+- `status_one` / `status_rows`: the view of `invoke status` on one container (status.py; --watch: the
+  live view, oncall/watch.py) and on several; cli.status routes the task between them and the two above.
 Each container costs one round trip (`status.gather`); hosts are read in parallel.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
-from .. import cli, fanout, runs
+from .. import fanout, runs
 from .. import status as status_mod
 from ..errors import ContainerError, DflashOpsError, RunStateError, UsageError
 from ..terminal import plugin, visible
@@ -136,39 +136,29 @@ def watch(t, run, every, stall_after, hang_after, webhook=None, notify_cmd=None,
     return final
 
 
-# --- `invoke status`: the view, or the monitoring surfaces ------------------------------------------
+# --- `invoke status` (routed by cli.status) -----------------------------------------------------------
 
-def status(c, run=None, json=False, stall_after=600, ct=None, group=None, inventory=None, dry_run=False,
-           watch=False, interval=5, plugin=False, hang_after=1800, min_free="10G", min_free_shm="512M",
-           prometheus=None) -> Report | None:
-    """The status task: --check (`plugin`) and --prometheus take every selected container as it
-    is (a bad inventory is UNKNOWN too); the view fans out like any task (cli.on_targets: shown there,
-    None returned)."""
-    if plugin:
-        def thresholds_and_targets():
-            return (monitoring.Thresholds(float(stall_after), float(hang_after),
-                                          monitoring.parse_size(min_free, "--min-free"),
-                                          monitoring.parse_size(min_free_shm, "--min-free-shm")),
-                    cli.targets(c, ct, group, inventory, dry_run))
+def plugin_check(select, run, stall_after, hang_after, min_free, min_free_shm) -> Report:
+    """`status --check`: the thresholds parsed and the targets selected (`select()`) inside check(), so
+    that a bad size or a bad inventory is UNKNOWN too."""
+    def thresholds_and_targets():
+        return (monitoring.Thresholds(float(stall_after), float(hang_after),
+                                      monitoring.parse_size(min_free, "--min-free"),
+                                      monitoring.parse_size(min_free_shm, "--min-free-shm")),
+                select())
 
-        return check(thresholds_and_targets, run)
-    if prometheus is not None:
-        return export_metrics(cli.targets(c, ct, group, inventory, dry_run), run, float(stall_after),
-                              None if prometheus is True else prometheus)
-    cli.on_targets(_status_one, fan_out=_status_rows)(
-        c, run=run, json=json, stall_after=stall_after, ct=ct, group=group, inventory=inventory,
-        dry_run=dry_run, watch=watch, interval=interval)
-    return None
+    return check(thresholds_and_targets, run)
 
 
-def _status_one(t, run=None, json=False, stall_after=600, dry_run=False, watch=False, interval=5, **_):
+def status_one(t, run=None, json=False, stall_after=600, dry_run=False, watch=False, interval=5, **_):
+    """The view of one container (a View; --watch: the live view, which draws itself: None)."""
     if watch and not (json or dry_run):
-        live.watch(t, run, float(stall_after), float(interval))  # a live view: it draws itself
+        live.watch(t, run, float(stall_after), float(interval))
         return None
     st = status_mod.gather(t, run, float(stall_after))
     return None if st is None else status_mod.View(st, t.container.label, as_json=bool(json))
 
 
-def _status_rows(targets, run=None, json=False, stall_after=600, **_):
+def status_rows(targets, run=None, json=False, stall_after=600, **_):
     """Several containers: one compact row each; --json: {container: facts} on stdout."""
     return status_mod.fan_out(targets, run, stall_after, json)

@@ -422,9 +422,8 @@ class HostSession:
                                  tied=not kwargs.get("stdin"))
         return self.run_in(ct, line, check=check, **kwargs)
 
-    def run_in(self, ct: Container, line: str, *, check: bool = True, explain=None, **kwargs) -> Result:
-        """Run a host line that addresses container `ct` (pct exec/push/pull), mapping pct's errors.
-        `explain(result)`: the caller's own error for a failed result, or None (then the usual one)."""
+    def run_in(self, ct: Container, line: str, *, check: bool = True, **kwargs) -> Result:
+        """Run a host line that addresses container `ct` (pct exec/push/pull), mapping pct's errors."""
         if not line.isascii():
             self.check_pct_locale(ct)
         result = self.run(line, check=False, **kwargs)
@@ -443,8 +442,6 @@ class HostSession:
                 raise HostUnreachable(f"connection to {self.host.name} lost while a command ran in "
                                       f"{ct.label} (no exit status came back); check with `invoke status` or "
                                       f"`invoke doctor`, then run the task again")
-            if explain is not None and (own := explain(result)) is not None:
-                raise own
             if check:
                 raise RemoteCommandFailed(
                     f"{ct.label}: exit {result.exited}: "

@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 # this file. A template kept between runs is used only while all of them are unchanged.
 TEMPLATE_INPUTS = ("remote_scripts/requirements.txt", "remote_scripts/make_tiny_target.py",
                    "dflash_ops/deploy.py", "dflash_ops/remote/ship.py", "dflash_ops/remote/prelude.py",
-                   "dflash_ops/remote/facts.py", "tests/ct_template.py")
+                   "dflash_ops/remote/facts.py", "dflash_ops/remote/release.py", "tests/ct_template.py")
 
 
 def template_key() -> str:
@@ -49,9 +49,10 @@ def build_template(out: Path, bring_up):
         r = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=900)
         assert r.returncode == ExitStatus.OK, (f"template deploy: exit {r.returncode}\n"
                                    f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-        # The deploy's pip writes no bytecode (deploy.VENV_SCRIPT): compile the venv once here, or
-        # every container seeded from it would compile what its runs import. Exit status not checked:
-        # compileall reports files it cannot compile (tests and templates written for other Pythons).
+        # The deploy's pip writes no bytecode (release.py's venv verb, --no-compile): compile the venv
+        # once here, or every container seeded from it would compile what its runs import. Exit status
+        # not checked: compileall reports files it cannot compile (tests and templates written for
+        # other Pythons).
         venv = sandbox_mod.CONTAINER_DEFAULTS["paths"]["venv"]
         subprocess.run([str(sb.pct), "exec", "200", "--", f"{venv}/bin/python", "-m", "compileall", "-q",
                         "-j", "0", venv], capture_output=True, timeout=900)

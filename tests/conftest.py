@@ -42,7 +42,7 @@ from dflash_ops import sandbox as sandbox_mod
 
 TESTS = Path(__file__).resolve().parent
 # Connection sharing between invocations (dflash_ops.mux) is off for the suite, so that no test meets
-# another's connection; tests/integration/test_mux.py turns it on for itself. Export
+# another's connection; tests/integration/test_shared_connection.py turns it on for itself. Export
 # DFLASH_CONTROL_PERSIST=60 to run the whole suite with it on.
 os.environ.setdefault("DFLASH_CONTROL_PERSIST", "0")
 # The containers' processes (training runs a test keeps alive while it works the CLI) yield the CPU

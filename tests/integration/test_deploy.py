@@ -15,7 +15,7 @@ from deployed_box import deployed_box
 from waiting import wait_for
 
 from dflash_ops import deploy
-from dflash_ops.errors import ExitStatus, RemoteCommandFailed
+from dflash_ops.errors import DeployError, ExitStatus, RemoteCommandFailed
 from dflash_ops.remote import facts as container_facts
 from dflash_ops.remote import ship
 
@@ -138,6 +138,36 @@ def test_pip_and_the_tiny_target_build_stream_through_the_terminal_filter(box):
     assert "\x1b" not in both and "\x07" not in both, both[-3000:]
     # shown, not dropped: from pip (its stdout and stderr) and from the build
     assert both.count("^[]52;c;cHduZWQ=^G^[]0;TITLE^G^[[2J") >= 3, both[-3000:]
+
+
+# A pip that never finishes: the venv's interpreter sleeps when it starts as `python -m pip install ...`
+# (a `.pth` file runs at every start; sys.argv is ['-m', 'install', ...] by then), and only then.
+HANGING_PIP_PTH = "import sys, time; sys.argv[:2] == ['-m', 'install'] and time.sleep(600)\n"
+
+
+def test_a_pip_that_hangs_is_ended_at_its_deadline_and_deploy_fails_in_one_line(box, monkeypatch):
+    """The venv verb's deadline (deploy.PIP_TIMEOUT_S, 5 s here) ends pip with its process group in the
+    container; deploy fails with one line, exit 5, and the venv stays marked stale."""
+    monkeypatch.setattr(deploy, "PIP_TIMEOUT_S", 5.0)
+    stamp = f"/root/venv/{container_facts.REQUIREMENTS_STAMP}"
+    want = box.container("cat", stamp).stdout
+    box.sh('for d in /root/venv/lib/python3*/site-packages; do printf "%s" "$1" > "$d/zz-hang.pth"; done; '
+           'rm -f "$2"', HANGING_PIP_PTH, stamp)
+    t = box.target()
+    try:
+        with pytest.raises(DeployError) as failed:
+            deploy.deploy(t, root=box.checkout, **QUIET)
+        left = [p for p in box.sh("ps -eo args").stdout.splitlines() if "pip install" in p]
+        stale = box.container("test", "-e", stamp, check=False).returncode != 0
+    finally:
+        t.session.close()
+        box.sh('rm -f /root/venv/lib/python3*/site-packages/zz-hang.pth; printf "%s" "$1" > "$2"',
+               want, stamp)
+    assert str(failed.value) == (
+        "pve1/200: venv: pip install -r /root/dflash/requirements.txt did not finish within 5 s: ended with "
+        "its process group (SIGTERM, then SIGKILL); re-run deploy; the venv stays marked stale")
+    assert failed.value.exit_status == ExitStatus.REMOTE_FAILED
+    assert left == [] and stale
 
 
 def test_one_changed_file_sends_one_file(box):

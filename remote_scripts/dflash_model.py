@@ -152,8 +152,15 @@ def flex_dflash_mask(anchors, keep, context_len: int, block_size: int):
 
 
 def dense_attention(q, k, v, mask, scale):
-    """Reference attention: SDPA with the dense boolean mask (fully masked rows give 0)."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    """Reference attention: SDPA with the dense boolean mask; fully masked rows (padding blocks)
+    give 0, as flex_attention's do. SDPA itself is not asked to attend to nothing: CUDA's kernels
+    return NaN there, or a NaN gradient (a GPU run: loss finite at step 1, NaN at step 50), where
+    the CPU's return 0. Such rows attend to every key and their output is zeroed, so no gradient
+    leaves them."""
+    visible = mask.any(dim=-1, keepdim=True)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | ~visible, scale=scale,
+                                         enable_gqa=True)
+    return out * visible
 
 
 def make_flex_attention(flex_fn: Callable) -> Callable:

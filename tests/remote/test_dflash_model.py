@@ -58,6 +58,41 @@ def test_flex_forward_equals_dense_reference(context, num_anchors):
     torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-5)
 
 
+def softmax_attention(q, k, v, attn_mask=None, scale=None, enable_gqa=False):
+    """SDPA as CUDA's kernels behave on a fully masked row: the softmax of all -inf, NaN."""
+    if enable_gqa:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    return torch.softmax(scores.masked_fill(~attn_mask, float("-inf")), dim=-1) @ v
+
+
+def test_dense_attention_never_asks_sdpa_to_attend_to_nothing(monkeypatch):
+    """Padding blocks are fully masked rows. On CPU, SDPA gives them 0; on CUDA, NaN (forward or
+    gradient): a GPU run with dense attention: loss finite at step 1, NaN at step 50. Under an SDPA
+    that gives NaN there, the drafter's output (padding rows 0) and gradients stay finite and
+    equal what the CPU's SDPA gives."""
+    drafter = small_drafter()
+    anchors, keep, target_hidden, noise, positions = random_inputs(drafter, all_valid=False)
+    assert not keep.all(), "the inputs must include a padding block"
+    mask = dm.dense_dflash_mask(anchors, keep, target_hidden.shape[1], BLOCK)
+    assert not mask.any(dim=-1).all(), "the mask must have fully masked rows"
+
+    def run():
+        drafter.zero_grad()
+        out = drafter(target_hidden, noise, positions, mask, dm.dense_attention)
+        out.square().mean().backward()
+        return out.detach(), [p.grad.clone() for p in drafter.parameters() if p.grad is not None]
+
+    reference, reference_grads = run()
+    monkeypatch.setattr(dm.F, "scaled_dot_product_attention", softmax_attention)
+    out, grads = run()
+    assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+    for grad, expected in zip(grads, reference_grads, strict=True):
+        torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-6)
+
+
 def test_mask_semantics():
     anchors = torch.tensor([[2, 5]])
     keep = torch.tensor([[True, False]])

@@ -2,19 +2,23 @@
 
     python regenerate_data.py --target DIR --in DATA --out JSONL [--in DATA --out JSONL ...]
         [--max-new-tokens 256] [--batch-size 32] [--device cpu] [--dtype float32] [--limit N]
-        [--max-bad-fraction 0.05]
+        [--max-bad-fraction 0.05] [--samples K --temperature T --seed S]
 
-A drafter is scored by how often it predicts what the target says, so it must be trained on what
-the target says (SpecForge's regenerate_train_data.py does the same). Turn by turn: each assistant
-turn is replaced by the target's greedy continuation of the conversation so far (earlier assistant
-turns already regenerated), stopped at the end-of-turn token or after --max-new-tokens. System and
-user turns are kept. The input is any format chat_formats reads (ShareGPT, OpenAI messages, ours;
-.jsonl, .jsonl.gz, .json, .parquet, a directory of shards; malformed rows counted and skipped);
-the output is our JSONL. Rows keep their id; the output is written to a temp file and renamed, so a
-crash never leaves a half-written dataset. Beside it, `<out>.provenance.json` records the target
-(fingerprint), the settings and the counts: training checks it (provenance.py). Several --in/--out pairs share
-one model load (train and held-out splits). On one device with a plain decoding loop: right for the tiny
-pipeline and small sets; for millions of rows on a 27B target an inference server (SGLang, vLLM) is the tool.
+A drafter is scored by how often it predicts what the target says, so it must be trained on what the
+target says (SpecForge's regenerate_train_data.py does the same). Turn by turn: each assistant turn
+is replaced by the target's greedy continuation of the conversation so far (earlier assistant turns
+already regenerated), stopped at the end-of-turn token or after --max-new-tokens. System and user
+turns are kept. With --samples K, each row of the first --in/--out pair (the training split) is also
+written K more times (ids `<id>~s1`..`<id>~sK`), each answered turn by turn with tokens drawn at
+--temperature from the target (seeded by --seed): more of the target's own distribution from few
+prompts; the pairs after the first (held-out) stay greedy only. The input is any format chat_formats
+reads (ShareGPT, OpenAI messages, ours; .jsonl, .jsonl.gz, .json, .parquet, a directory of shards;
+malformed rows counted and skipped); the output is our JSONL. Rows keep their id; the output is
+written to a temp file and renamed, so a crash never leaves a half-written dataset. Beside it,
+`<out>.provenance.json` records the target (fingerprint), the settings and the counts: training
+checks it (provenance.py). Several --in/--out pairs share one model load (train and held-out
+splits). On one device with a plain decoding loop: right for the tiny pipeline and small sets; for
+millions of rows on a 27B target an inference server (SGLang, vLLM) is the tool.
 Decoding (`greedy_generate`, the plain decoding eval_dflash.py measures speculative decoding against) is
 target_model.py's.
 """
@@ -28,6 +32,7 @@ import sys
 import time
 
 import provenance
+import torch
 from chat_formats import DataError, read_dataset
 from target_model import (
     DTYPES,
@@ -48,8 +53,9 @@ def read_rows(path: str, limit: int | None = None, max_bad_fraction: float = 0.0
 
 
 def regenerate(rows: list[dict], tokenizer, model, max_new_tokens: int, batch_size: int,
-               log=print) -> dict:
-    """Replace every assistant turn in `rows` (in place); returns counts for the summary."""
+               log=print, temperature: float = 0.0, generator=None) -> dict:
+    """Replace every assistant turn in `rows` (in place); returns counts for the summary.
+    Greedy, or sampled at `temperature` > 0 (target_model.greedy_generate)."""
     stops = stop_token_ids(tokenizer, model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     stats = {"rows": len(rows), "turns": 0, "changed": 0, "truncated": 0, "tokens": 0}
@@ -65,7 +71,8 @@ def regenerate(rows: list[dict], tokenizer, model, max_new_tokens: int, batch_si
         for start in range(0, len(work), batch_size):
             chunk = work[start:start + batch_size]
             prompts = [chat_prompt_ids(tokenizer, row["conversations"][:turn]) for row, turn in chunk]
-            answers = greedy_generate(model, prompts, max_new_tokens, stops, pad)
+            answers = greedy_generate(model, prompts, max_new_tokens, stops, pad,
+                                      temperature, generator)
             for (row, turn), answer in zip(chunk, answers, strict=True):
                 finished = bool(answer) and answer[-1] in stops
                 text = tokenizer.decode(answer[:-1] if finished else answer,
@@ -79,6 +86,13 @@ def regenerate(rows: list[dict], tokenizer, model, max_new_tokens: int, batch_si
                 log(f"round {round_index + 1}/{rounds}: {start + len(chunk)}/{len(work)} turns")
         log(f"round {round_index + 1}/{rounds}: {len(work)} assistant turns regenerated")
     return stats
+
+
+def sampled_copies(rows: list[dict], samples: int) -> list[dict]:
+    """`samples` copies of each row (ids `<id>~s1`..), their turns copied: answered by sampling."""
+    return [{"id": f"{row['id']}~s{k}",
+             "conversations": [dict(turn) for turn in row["conversations"]]}
+            for k in range(1, samples + 1) for row in rows]
 
 
 def write_rows(rows: list[dict], path: str) -> None:
@@ -106,9 +120,16 @@ def main() -> int:
     parser.add_argument("--limit", type=int, help="only the first N rows of each input")
     parser.add_argument("--max-bad-fraction", type=float, default=0.05,
                         help="stop if more of the rows than this are malformed (default 0.05)")
+    parser.add_argument("--samples", type=int, default=0,
+                        help="the first pair's rows also K times more, sampled (default 0)")
+    parser.add_argument("--temperature", type=float, default=0.8,
+                        help="sampling temperature of --samples (default 0.8)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of --samples (default 0)")
     args = parser.parse_args()
     if len(args.sources) != len(args.outputs):
         parser.error(f"{len(args.sources)} --in but {len(args.outputs)} --out: give them in pairs")
+    if args.samples < 0 or (args.samples and args.temperature <= 0):
+        parser.error("--samples must be >= 0, and --temperature > 0 with it")
     try:
         inputs = [read_rows(source, args.limit, args.max_bad_fraction,
                             log=lambda line: print(f"read {line}", flush=True))
@@ -117,12 +138,25 @@ def main() -> int:
     except (DataError, TargetLoadError) as exc:
         print(f"regenerate_data: error: {exc}", file=sys.stderr)
         return 2
-    settings = {"max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "device": args.device,
-                "limit": args.limit, "decoding": "greedy"}
-    for rows, source, out in zip(inputs, args.sources, args.outputs, strict=True):
+    for pair, (rows, source, out) in enumerate(zip(inputs, args.sources, args.outputs, strict=True)):
+        samples = args.samples if pair == 0 else 0
+        settings = {"max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
+                    "device": args.device, "limit": args.limit, "decoding": "greedy"}
+        if samples:
+            settings.update(decoding="greedy + sampled", samples=samples,
+                            temperature=args.temperature, seed=args.seed)
         started = time.perf_counter()
         stats = regenerate(rows, tokenizer, model, args.max_new_tokens, args.batch_size,
                            log=lambda line: print(line, flush=True))
+        if samples:
+            generator = torch.Generator(device=model.device).manual_seed(args.seed)
+            copies = sampled_copies(rows, samples)
+            sampled = regenerate(copies, tokenizer, model, args.max_new_tokens, args.batch_size,
+                                 lambda line: print(f"sampled: {line}", flush=True),
+                                 args.temperature, generator)
+            rows += copies
+            for key in ("rows", "turns", "changed", "truncated", "tokens"):
+                stats[key] += sampled[key]
         write_rows(rows, out)
         stats.update(out=out, seconds=round(time.perf_counter() - started, 1))
         stats["provenance"] = provenance.write_record(

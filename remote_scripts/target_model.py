@@ -529,8 +529,13 @@ def chat_prompt_ids(tokenizer, turns: list[dict]) -> list[int]:
 
 @torch.inference_mode()
 def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
-                    pad_id: int = 0) -> list[list[int]]:
+                    pad_id: int = 0, temperature: float = 0.0,
+                    generator: torch.Generator | None = None) -> list[list[int]]:
     """Plain greedy decoding with a KV cache: one target forward per new token.
+
+    With `temperature` > 0 each token is drawn from the softmax of the logits / temperature
+    instead (with `generator`, on the model's device): more answers of the target's own
+    distribution for a prompt (regenerate_data.py --samples).
 
     Prompts are left-padded into one batch (explicit position ids, so padding changes nothing).
     Each answer ends with its first stop token (included) or after max_new_tokens. A finished
@@ -556,7 +561,11 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, stop_i
     answers: list[list[int]] = [[] for _ in prompts]
     active = torch.arange(len(prompts), device=device)  # answers still running, in batch order
     for step in range(max_new_tokens):
-        token = logits[:, -1].argmax(-1)
+        if temperature > 0:
+            probs = torch.softmax(logits[:, -1].float() / temperature, dim=-1)
+            token = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        else:
+            token = logits[:, -1].argmax(-1)
         for row, value in zip(active.tolist(), token.tolist(), strict=True):
             answers[row].append(value)
         running = ~torch.isin(token, stops)

@@ -182,6 +182,37 @@ def test_regenerating_regenerated_data_changes_nothing(pipeline, tmp_path):
     assert rd.read_rows(again)[0] == rd.read_rows(pipeline["heldout"])[0]
 
 
+def test_samples_are_more_rows_of_the_targets_own_answers_drawn_reproducibly(pipeline, tmp_path):
+    """--samples K: the first pair's rows, then K sampled copies of each (ids <id>~sK), seeded;
+    the greedy rows are what a greedy-only run writes; the second pair stays greedy only."""
+    source = os.path.join(REMOTE, "data", "heldout.jsonl")
+
+    def regenerate(name, *extra):
+        out = {split: str(tmp_path / f"{name}-{split}.jsonl") for split in ("first", "second")}
+        done = run_script("regenerate_data.py", "--target", pipeline["target"], "--limit", "6",
+                          "--max-new-tokens", "12", *extra, "--in", source, "--out", out["first"],
+                          "--in", source, "--out", out["second"])
+        assert done.returncode == 0, done.stderr[-3000:]
+        return {split: rd.read_rows(path) for split, path in out.items()}, results_of(done)
+
+    greedy, _ = regenerate("greedy")
+    sampled, stats = regenerate("sampled", "--samples", "2", "--temperature", "1.5", "--seed", "3")
+    again, _ = regenerate("again", "--samples", "2", "--temperature", "1.5", "--seed", "3")
+    ids = [r["id"] for r in greedy["first"]]
+    assert [r["id"] for r in sampled["first"]] == ids + [f"{i}~s{k}" for k in (1, 2) for i in ids]
+    assert sampled["first"][:6] == greedy["first"] and sampled["second"] == greedy["second"]
+    assert again["first"] == sampled["first"]  # the seed fixes the draws
+
+    def answers(rows):
+        return [t["content"] for r in rows for t in r["conversations"] if t["role"] == "assistant"]
+    assert answers(sampled["first"][6:12]) != answers(greedy["first"])
+    assert answers(sampled["first"][6:12]) != answers(sampled["first"][12:])
+    assert stats[0]["rows"] == 18 and stats[1]["rows"] == 6
+    with open(str(tmp_path / "sampled-first.jsonl") + ".provenance.json") as f:
+        settings = json.load(f)["settings"]
+    assert settings["samples"] == 2 and settings["decoding"] == "greedy + sampled"
+
+
 def test_batched_greedy_equals_one_prompt_at_a_time(pipeline):
     tokenizer, target = rd.load_target(pipeline["target"], "cpu", "float32")
     stops = rd.stop_token_ids(tokenizer, target)

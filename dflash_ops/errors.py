@@ -127,6 +127,11 @@ class RunStateError(DflashOpsError, exit_status=ExitStatus.RUN_STATE):
     """A run is (or is not) alive when the task needs the opposite."""
 
 
+class NoSuchRun(RunStateError):
+    """The named run (or a latest one) is not in the container: one line for every task that takes
+    --run (dflash_ops/runs.py no_such_run words it)."""
+
+
 class UntrustedData(DflashOpsError, exit_status=ExitStatus.UNTRUSTED):
     """The container answered with something that would escape the place the operator chose."""
 

@@ -10,12 +10,13 @@ launch.py.
 from __future__ import annotations
 
 import datetime as _dt
+import difflib
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from . import terminal
-from .errors import UsageError
+from .errors import NoSuchRun, UsageError
 from .remote.prelude import describe_exit  # noqa: F401 - the one wording of an exit, the container's too
 
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -45,17 +46,43 @@ def run_dir(ct, name: str) -> str:
     return f"{ct.paths.runs}/{validate_run_name(name)}"
 
 
+RUNS_SHOWN = 20  # run names an unknown-run line lists at most
+
+
+def no_such_run(name, label: str, names) -> NoSuchRun:
+    """The one answer of every task for a run that is not there: `no run 'r11' on pve1/200; runs: r1,
+    r2 (did you mean r1?)`. `names`: the runs the container has (its answer, newest first: only
+    valid run names are shown, at most RUNS_SHOWN of the newest, in name order)."""
+    names = [n for n in (names if isinstance(names, list) else [])
+             if isinstance(n, str) and RUN_NAME.match(n)]
+    asked = name if isinstance(name, str) and RUN_NAME.match(name) else None
+    if name is None:
+        what = f"no latest run on {label}"
+    else:
+        what = f"no run {asked or terminal.visible(str(name))[:80]!r} on {label}"
+    if not names:
+        return NoSuchRun(f"{what}; no runs yet: start one with `invoke train`")
+    shown = sorted(names[:RUNS_SHOWN])
+    left = len(names) - len(shown)
+    more = f" and {left} more (`invoke runs` lists them)" if left else ""
+    close = difflib.get_close_matches(asked, names, n=1) if asked else []
+    guess = f" (did you mean {close[0]}?)" if close else ""
+    return NoSuchRun(f"{what}; runs: {', '.join(shown)}{more}{guess}")
+
+
 # --- how a run ended ---------------------------------------------------------------------------------
 
 WRAPPER_LINE = re.compile(r"^dflash-ops: (launch |training process \d+ ended)")
 ERROR_LINE = re.compile(r"error|exception|killed|fatal|denied|no space|not found", re.I)
+QUIET_LINE = re.compile(r"^\S+ (?:INFO|DEBUG) ")  # the training script's own informational lines
 
 
-def last_error_line(lines: list[str]) -> str | None:
-    """The line that says why a run died: the last one that reads like an error, else the last one."""
+def last_error_line(lines: list[str], only_errors: bool = False) -> str | None:
+    """The line that says why a run died: the last one that reads like an error, else the last one
+    (only_errors: else None; an INFO or DEBUG line of the training script is never an error)."""
     own = [ln for ln in lines if ln.strip() and not WRAPPER_LINE.match(ln)]
-    errors = [ln for ln in own if ERROR_LINE.search(ln)]
-    return (errors or own or [None])[-1]
+    errors = [ln for ln in own if ERROR_LINE.search(ln) and not QUIET_LINE.match(ln)]
+    return (errors or ([] if only_errors else own) or [None])[-1]
 
 
 def why_it_failed(lines: list[str], nothing: str = "(no output)") -> str:

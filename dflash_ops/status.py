@@ -47,10 +47,15 @@ class RunStatus:
     state: str                      # none | missing | running | stalled | finished | crashed | stopped
     detail: str = ""                # exit code, signal, how it was stopped, why it is stalled
     pid: int | None = None
-    uptime_s: int | None = None
+    uptime_s: int | None = None     # an alive run: since its launch (or resume)
+    duration_s: int | None = None   # an ended run: its last launch's (or resume's) start to its end
     idle_s: int | None = None       # since the last log line or metric
-    step: int | None = None
-    loss: float | None = None
+    step: int | None = None         # the last train metric's step (of the current segment)
+    total_steps: int | None = None  # where this launch stops (its step lines' N/M)
+    percent: float | None = None    # step of total_steps
+    loss: float | None = None       # the loss of `step` (the same train metric)
+    steps_per_s: float | None = None  # over the current segment's last train metrics
+    eta_s: int | None = None        # an alive run: (total_steps - step) at steps_per_s
     acceptance_length: float | None = None
     tokens_per_s: float | None = None
     lr: float | None = None
@@ -67,11 +72,12 @@ class RunStatus:
     last_eval: dict | None = None   # the last `invoke eval` (eval.json): step, acceptance, speedup, ...
     data_warnings: list = field(default_factory=list)  # data.json: answers not the target's, held-out overlap
     exit_code: str | None = None
+    segment_started: int | None = None  # the current segment's start (container clock): launch or resume
     code_version: str | None = None
     gpus: list = field(default_factory=list)
     gpu_error: str | None = None
     findings: list = field(default_factory=list)  # [{key, title, runbook, line}]
-    last_error: str | None = None   # a crashed run's last error line (its log's tail)
+    last_error: str | None = None   # a crashed run's last error line of its current segment
     spec: dict | None = None        # the run's spec (launch.json): config, sets, max_steps, devices, code
 
     def to_json(self) -> str:
@@ -135,9 +141,13 @@ def load_answer(text: str, where: str = "status") -> dict:
 ALIVE = ("running", "stalled")
 
 
-def parse_status(text: str, where: str = "status") -> RunStatus:
+def parse_status(text: str, where: str = "status", missing_ok: bool = True) -> RunStatus:
     """remote/runs.py status's answer -> RunStatus. Pure; tested on recorded and on arbitrary answers.
-    The state is the container's run_state: taken only if it is one of the states, else BadAnswer."""
+    The state is the container's run_state: taken only if it is one of the states, else BadAnswer.
+    A named run that is not there: state `missing`, or with missing_ok=False the one unknown-run
+    error (runs.no_such_run, naming the runs there are). Every number is of the current segment
+    (the last launch or resume: the log's lines after its launch line, the metrics written since its
+    start), so no step, loss or error of an earlier segment is shown as today's."""
     facts_ = load_answer(text, where)
     gpus, gpu_errors = [], []
     for line in _texts(facts_.get("gpus"), 400, 64):
@@ -150,6 +160,8 @@ def parse_status(text: str, where: str = "status") -> RunStatus:
     memory = facts_.get("memory") if isinstance(facts_.get("memory"), dict) else {}
     st.memory_limit, st.oom_kills = _int(memory.get("limit")), _int(memory.get("oom_kills"))
     if facts_.get("exists") is not True:
+        if name and not missing_ok:
+            raise runs.no_such_run(name, where.partition(": ")[0], facts_.get("runs"))
         return st
     state = facts_.get("state")
     if state not in STATES or state in ("none", "missing"):
@@ -161,16 +173,17 @@ def parse_status(text: str, where: str = "status") -> RunStatus:
     now = _int(facts_.get("now"))
     _apply_checkpoint(st, facts_.get("checkpoint"), now)
     started, ended = _int(file["started"]), _int(file["ended"])
+    st.segment_started = started
     st.pid = _int(file["pid"])
     st.exit_code = file["exit_code"]
     st.code_version = file["code_version"]
     idle = _int(facts_.get("idle_s"))
     st.idle_s = idle if idle is not None and idle >= 0 else None
-    _apply_metrics(st, _texts(facts_.get("metrics"), 1 << 16, 200))
+    logs = _texts(facts_.get("log"), 2000, 200)  # the current segment's last lines
+    _apply_metrics(st, _texts(facts_.get("metrics"), 1 << 16, 200), started, logs)
     st.last_eval = _last_eval(facts_.get("eval"))
     st.data_warnings = _data_warnings(facts_.get("data"))
     st.spec = _spec(facts_.get("spec"))
-    logs = _texts(facts_.get("log"), 2000, 200)
     st.findings = [{"key": s.key, "title": s.title, "runbook": s.runbook, "line": line}
                    for s, line in runs.scan(logs)]
     free = _int(facts_.get("free"))
@@ -181,14 +194,16 @@ def parse_status(text: str, where: str = "status") -> RunStatus:
                             "line": f"{free} bytes free on the run directory's filesystem"})
     if state in ALIVE:
         st.uptime_s = now - started if now is not None and started else None
+        if st.steps_per_s and st.total_steps is not None and st.step is not None:
+            st.eta_s = round(max(0, st.total_steps - st.step) / st.steps_per_s)
         if state == "stalled":
             sig = runs.STALLED
             st.findings.append({"key": sig.key, "title": sig.title, "runbook": sig.runbook, "line": ""})
         return st
-    if started and ended:
-        st.uptime_s = ended - started
+    if started and ended and ended >= started:
+        st.duration_s = ended - started
     if st.state == "crashed":
-        st.last_error = last_error_line(logs)
+        st.last_error = last_error_line(logs, only_errors=True)
         if st.exit_code == "signal 9" and st.oom_kills:  # SIGKILL
             # Nobody asked it to stop and the container's OOM killer ran: its memory limit, likely.
             limit = f"{st.memory_limit >> 20} MiB" if st.memory_limit else "its limit"
@@ -200,32 +215,70 @@ def parse_status(text: str, where: str = "status") -> RunStatus:
     return st
 
 
-def _apply_metrics(st: RunStatus, lines: list[str]) -> None:
-    train = evaluation = None
-    for line in lines:
-        record = _record(line)
-        if record is None:
-            continue  # a line being written as we read it, or not ours
-        kind = record.get("kind", "train")
-        if kind == "train":
-            train = record
-        elif kind == "eval":
-            evaluation = record
-        elif kind == "checkpoint":
+STEP_LINE = re.compile(r"^\S+ INFO step (\d{1,12})/(\d{1,12}) \|")  # train_dflash.log_train's line
+RATE_WINDOW = 10  # the current segment's last train metrics the rate (and the ETA) is taken over
+
+
+def current_segment(records: list[dict], started: int | None) -> list[dict]:
+    """The records written since the segment's start (`started`, the launch's epoch): those after the
+    last one stamped earlier. Records without a time (checkpoint lines) go with their neighbours."""
+    if started is None:
+        return records
+    for i in range(len(records) - 1, -1, -1):
+        stamp = _num(records[i].get("time"))
+        if stamp is not None and stamp < started:
+            return records[i + 1:]
+    return records
+
+
+def _step(record: dict):
+    return None if isinstance(record.get("step"), str) else _int(record.get("step"))
+
+
+def _apply_metrics(st: RunStatus, lines: list[str], started: int | None = None, logs=()) -> None:
+    """The current segment's last train metric (its step, and the loss and rates of that step), the
+    steps per second over its last RATE_WINDOW, where it stops, the last held-out evaluation at or
+    before that step, and the last checkpoint's replica difference."""
+    records = [r for r in map(_record, lines) if r is not None]  # a torn or foreign line is skipped
+    segment = current_segment(records, started)
+    trains = [r for r in segment if r.get("kind", "train") == "train" and _step(r) is not None]
+    train = trains[-1] if trains else None
+    for record in records:
+        if record.get("kind") == "checkpoint":
             st.replicas_differ = _num(record.get("replica_max_abs_diff")) or None
-        step = _int(record.get("step")) if not isinstance(record.get("step"), str) else None
-        if step is not None:
-            st.step = max(st.step or 0, step)
     if train:
+        st.step = _step(train)
         st.loss = _num(train.get("loss"))
         st.acceptance_length = _num(train.get("acceptance_length"))
         st.tokens_per_s = _num(train.get("tokens_per_s"))
         st.lr = _num(train.get("lr"))
         slots = train.get("slot_accuracy")
         st.slot_accuracy = [_num(a) for a in slots[:256]] if isinstance(slots, list) else None
-    if evaluation:
-        st.eval_loss = _num(evaluation.get("loss"))
-        st.eval_step = _int(evaluation.get("step")) if not isinstance(evaluation.get("step"), str) else None
+        st.total_steps = _step({"step": train.get("stop_step")})
+        recent = trains[-RATE_WINDOW:]
+        first, last = recent[0], recent[-1]
+        t0, t1 = _num(first.get("time")), _num(last.get("time"))
+        if t0 is not None and t1 is not None and t1 > t0 and _step(last) > _step(first):
+            st.steps_per_s = (_step(last) - _step(first)) / (t1 - t0)
+    else:  # nothing trained yet in this segment: where it is, from its checkpoint or eval lines
+        steps = [s for s in map(_step, segment) if s is not None]
+        st.step = steps[-1] if steps else None
+    if st.total_steps is None:  # metrics of an older payload: the segment's last step line says it
+        found = [STEP_LINE.match(line) for line in logs]
+        found = [m for m in found if m]
+        st.total_steps = int(found[-1].group(2)) if found else None
+    if st.step is not None and st.total_steps:
+        st.percent = round(100.0 * st.step / st.total_steps, 1)
+    # The last evaluation of this segment; else one of before it, at or before the step this segment
+    # resumed from (an earlier segment's later steps were redone: their evaluations are not this run's).
+    evaluations = [r for r in segment if r.get("kind") == "eval" and _step(r) is not None]
+    if not evaluations:
+        first = next((s for s in map(_step, segment) if s is not None), st.step)
+        evaluations = [r for r in records[:len(records) - len(segment)] if r.get("kind") == "eval"
+                       and _step(r) is not None and (first is None or _step(r) <= first)]
+    if evaluations:
+        st.eval_loss = _num(evaluations[-1].get("loss"))
+        st.eval_step = _step(evaluations[-1])
 
 
 def _spec(value) -> dict | None:
@@ -299,9 +352,12 @@ def status_payload(ct, run: str | None, stall_after: float = DEFAULT_STALL_AFTER
     return {"runs": ct.paths.runs, "name": run, "stall_after": float(stall_after)}
 
 
-def gather(t, run: str | None = None, stall_after: float = DEFAULT_STALL_AFTER) -> RunStatus | None:
+def gather(t, run: str | None = None, stall_after: float = DEFAULT_STALL_AFTER,
+           missing_ok: bool = False) -> RunStatus | None:
     """One round trip within STATUS_TIMEOUT_S: the facts of --run (or the latest run), its state and
-    the GPUs. None in a dry run. A bad answer: one line naming the container and the field."""
+    the GPUs. None in a dry run. A bad answer: one line naming the container and the field. A named
+    run that is not there: the one unknown-run error (NoSuchRun), or with missing_ok its `missing`
+    state (watch --wait)."""
     ct = t.container
     name = runs.validate_run_name(run) if run is not None else None
     where = f"{ct.label}: status"
@@ -310,7 +366,7 @@ def gather(t, run: str | None = None, stall_after: float = DEFAULT_STALL_AFTER) 
                       cap=MAX_ANSWER)
     if t.dry_run:
         return None
-    return parse_status(result.stdout, where)
+    return parse_status(result.stdout, where, missing_ok=missing_ok)
 
 
 STATE_STYLE = {"running": "green", "finished": "bold green", "stalled": "bold yellow", "crashed": "bold red",
@@ -382,6 +438,30 @@ def fmt(value, spec=".4g") -> str:
         return format(float(value), ".4g")
 
 
+def describe_step(st: RunStatus) -> str:
+    """`700 of 3000 (23.3%)`; the step alone when the total is unknown."""
+    if st.step is None:
+        return "-"
+    if not st.total_steps:
+        return fmt(st.step, "d")
+    return f"{st.step} of {st.total_steps} ({fmt(st.percent, '.1f')}%)"
+
+
+def describe_eta(st: RunStatus) -> str:
+    """`1h02m03s (0.52 steps/s over this launch's last steps)`, or why there is none."""
+    if st.eta_s is None:
+        return "- (no rate yet: fewer than two steps logged since the launch)"
+    return f"{_fmt_duration(st.eta_s)} ({fmt(st.steps_per_s, '.3g')} steps/s over this launch's last steps)"
+
+
+def describe_checkpoint(st: RunStatus) -> str:
+    """`step-500, written 3m12s ago`, or `none yet`."""
+    if st.checkpoint_step is None:
+        return "none yet"
+    age = f", written {_fmt_duration(st.checkpoint_age_s)} ago" if st.checkpoint_age_s is not None else ""
+    return f"step-{st.checkpoint_step}{age}"
+
+
 def view(st: RunStatus, label: str):
     """The human view: a rich table of the run, one of the GPUs, and the runbook to read."""
     from rich.console import Group
@@ -395,15 +475,21 @@ def view(st: RunStatus, label: str):
     table.add_row("state", (f"[{style}]{escape(st.state)}[/{style}]" if style else escape(st.state))
                   + (f" ({escape(st.detail)})" if st.detail else ""))
     table.add_row("pid", fmt(st.pid, "d"))
-    table.add_row("uptime", _fmt_duration(st.uptime_s))
+    if st.state in ALIVE:
+        table.add_row("uptime", _fmt_duration(st.uptime_s))
+    else:
+        table.add_row("duration", _fmt_duration(st.duration_s))
     table.add_row("last activity", "-" if st.idle_s is None else f"{_fmt_duration(st.idle_s)} ago")
-    table.add_row("step", fmt(st.step, "d"))
-    table.add_row("loss", fmt(st.loss))
+    table.add_row("step", describe_step(st))
+    if st.state in ALIVE:
+        table.add_row("ETA", describe_eta(st))
+    table.add_row("loss", fmt(st.loss) + (f" (step {st.step})" if st.loss is not None else ""))
     table.add_row("teacher-forced acceptance", fmt(st.acceptance_length, ".3f"))
     table.add_row("tokens/s", fmt(st.tokens_per_s, ",.0f"))
     table.add_row("lr", fmt(st.lr, ".3g"))
     if st.eval_loss is not None:
-        table.add_row("held-out loss", fmt(st.eval_loss))
+        table.add_row("held-out loss", f"{fmt(st.eval_loss)} (step {fmt(st.eval_step, 'd')})")
+    table.add_row("checkpoint", describe_checkpoint(st))
     if st.last_eval:
         table.add_row("last dflash eval", escape(describe_eval(st.last_eval)))
     for warning in st.data_warnings:

@@ -254,7 +254,7 @@ def log_train(metrics, step, stop_step, window, seconds, lr, devices) -> None:
     losses = [loss for results, _ in window for loss, _ in results]
     tokens = sum(t for _, t in window)
     record = {
-        "kind": "train", "step": step, "loss": sum(losses) / len(losses),
+        "kind": "train", "step": step, "stop_step": stop_step, "loss": sum(losses) / len(losses),
         "slot_accuracy": objective.slot_accuracy(stats),
         "acceptance_length": objective.acceptance_length(stats),
         "worker_loss": [sum(r[i][0] for r, _ in window) / len(window)

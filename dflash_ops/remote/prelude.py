@@ -171,11 +171,14 @@ def end_lines(data, start):
     return lines[1:] if start > 0 else lines
 
 
-def tail_lines(path, count, window=TAIL_WINDOW, cap=LINE_CAP):
-    """The last `count` lines of a file, reading at most `window` bytes from its end."""
+def tail_lines(path, count, window=TAIL_WINDOW, cap=LINE_CAP, since=0):
+    """The last `count` lines of a file, reading at most `window` bytes from its end; with `since`
+    (the offset of a line's start), none before it."""
     data, start = read_end(path, window) if count > 0 else (None, 0)
     if not data:
         return []
+    if since > start:
+        data, start = data[since - start:], 0  # `since` starts a line: its first line is whole
     lines = end_lines(data, start)
     if lines and lines[-1] == b"":
         lines.pop()
@@ -386,17 +389,70 @@ def alive_run(runs):
     return current_run(runs) or "?"
 
 
+RUN_LIST_CAP = 200         # run names a no-run refusal lists at most (the newest)
+
+
+def run_names(runs):
+    """The runs under `runs`: names of its real directories (no dot names, no symlinks), newest first,
+    at most RUN_LIST_CAP; [] when there is none (or no such directory)."""
+    try:
+        entries = os.listdir(runs)
+    except OSError:
+        return []
+    found = []
+    for entry in entries:
+        if entry.startswith(".") or len(entry) > 200:
+            continue
+        try:
+            st = os.lstat(os.path.join(runs, entry))
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            found.append((st.st_mtime, entry))
+    return [entry for _, entry in sorted(found, reverse=True)[:RUN_LIST_CAP]]
+
+
 def resolve_run(runs, name=None):
-    """(name, run dir) of run `name`, or of the latest; Refused("no-run") when there is none."""
+    """(name, run dir) of run `name`, or of the latest; Refused("no-run") when there is none, with
+    the name asked for and the runs that exist (`runs`, newest first): the local side words it
+    (dflash_ops/runs.py no_such_run), the same for every verb."""
     name = name or current_run(runs)
     if not name:
-        raise Refused("no-run", f"no run yet under {runs}")
-    if "/" in name or name.startswith(".") or "\0" in name:
-        raise Refused("no-run", f"no run named {name[:80]!r} under {runs}")
+        raise Refused("no-run", f"no run yet under {runs}", name=None, runs=run_names(runs))
     path = os.path.join(runs, name)
-    if not os.path.isdir(path) or os.path.islink(path):
-        raise Refused("no-run", f"no run named {name} under {runs}")
+    if ("/" in name or name.startswith(".") or "\0" in name or not os.path.isdir(path)
+            or os.path.islink(path)):
+        raise Refused("no-run", f"no run named {name[:80]!r} under {runs}", name=name[:200],
+                      runs=run_names(runs))
     return name, path
+
+
+SEGMENT_MARK = b"dflash-ops: launch "  # the launch's first line in train.log: a segment starts there
+SEGMENT_SCAN = 64 << 20   # bytes of train.log searched backwards for the last launch line at most
+
+
+def segment_start(log):
+    """The offset in train.log where the current segment starts: the last `dflash-ops: launch ...`
+    line (each launch and resume writes one before the run's own lines), searched backwards at most
+    SEGMENT_SCAN bytes and until the call's deadline; 0 when none is found (or no log)."""
+    try:
+        fd = open_regular(log)
+    except OSError:
+        return 0
+    with os.fdopen(fd, "rb") as f:
+        end = f.seek(0, os.SEEK_END)
+        pos, carry = end, b""
+        while pos > 0 and end - pos < SEGMENT_SCAN and time_left() > 0:
+            start = max(0, pos - TAIL_WINDOW)
+            f.seek(start)
+            data = f.read(pos - start) + carry
+            at = data.rfind(b"\n" + SEGMENT_MARK)
+            if at >= 0:
+                return start + at + 1
+            if start == 0 and data.startswith(SEGMENT_MARK):
+                return 0
+            carry, pos = data[:len(SEGMENT_MARK)], start
+    return 0
 
 
 SPEC_CAP = 1 << 16        # launch.json (a run's spec) larger than this is not read

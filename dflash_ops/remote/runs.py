@@ -41,7 +41,9 @@ from dflash_ops.remote.prelude import (
     read_text,
     resolve_run,
     run_alive,
+    run_names,
     runs_lock,
+    segment_start,
     serve,
     state_of_run,
     tail_lines,
@@ -130,17 +132,21 @@ def status(args):
            "free_runs": free_near(runs), "free_shm": free_bytes("/dev/shm"), "memory": container_memory()}
     try:
         name, path = resolve_run(runs, name) if name else (None, None)
-    except Refused:
+    except Refused as refused:
         path = None
+        out["runs"] = refused.answer["runs"]
     if path is None:
+        out.setdefault("runs", run_names(runs))
         return out
     stall_after = float(args.get("stall_after", 600))
     state = state_of_run(runs, name, path, now, stall_after)
     log, metrics = os.path.join(path, "train.log"), os.path.join(path, "metrics.jsonl")
+    segment = segment_start(log)  # the current segment: the last launch or resume
     out.update(exists=True, alive=state["alive"], state=state["state"], detail=state["detail"],
                idle_s=state["idle_s"], files=state["files"], free=free_bytes(path),
-               metrics=tail_lines(metrics, int(args.get("metric_lines", 20)), cap=METRIC_LINE_CAP),
-               log=tail_lines(log, int(args.get("log_lines", 40))))
+               metrics=tail_lines(metrics, int(args.get("metric_lines", 200)), cap=METRIC_LINE_CAP),
+               segment_offset=segment,
+               log=tail_lines(log, int(args.get("log_lines", 40)), since=segment))
     out["data"] = read_text(os.path.join(path, "data.json"), 4000)
     out["spec"] = read_spec(path)
     latest = os.path.join(path, "checkpoints", "latest")

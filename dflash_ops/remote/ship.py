@@ -21,7 +21,7 @@ import re
 import zlib
 from pathlib import Path
 
-from .. import commands, terminal
+from .. import commands, runs, terminal
 from ..errors import RemoteCommandFailed, RunStateError, UntrustedData, UsageError
 from ..inventory import Container
 from ..transport import AnswerTooLarge, stderr_tail
@@ -113,6 +113,8 @@ def answer(text, where: str, cap: int = ANSWER_CAP):
     message = terminal.visible(message if isinstance(message, str) else "(no message)")[:300]
     kind = terminal.visible(value["error"])[:40]
     extra = {k: v for k, v in value.items() if k not in ("error", "message")}
+    if kind == "no-run" and "runs" in extra:  # the prelude's resolve_run: the one unknown-run line
+        raise runs.no_such_run(extra.get("name"), where.partition(": ")[0], extra["runs"])
     raise Refusal(where, kind, message, extra)
 
 

@@ -115,9 +115,111 @@ def test_huge_files_are_read_from_their_end_within_the_caps(runs):
     assert answer["log"][-1] == "12:00:00 INFO last line"
     assert all(len(x) <= prelude.LINE_CAP for x in answer["log"])
     st = status.parse_status(json.dumps({'ok': answer}))
-    assert (st.step, st.loss, st.last_error) == (2, 0.5, "12:00:00 INFO last line")
+    assert (st.step, st.loss, st.last_error) == (2, 0.5, None)  # an INFO line is no error
     tail = call("logs-tail", runs=str(runs), name="big", lines=2)
     assert tail["lines"] == [line.decode()[:prelude.LINE_CAP], "12:00:00 INFO last line"]
+
+
+# A run stopped at step 700 after a full disk, resumed from its step-500 checkpoint: the first
+# segment's lines and metrics are still in its files, before the second launch line.
+T1, T2 = 1795950000, 1795960000  # the two launches (container clock)
+FIRST = ("dflash-ops: launch 2026-11-29T10:00:00Z of run r1\n12:00:00 INFO step 700/3000 | loss 0.2100\n"
+         "Traceback (most recent call last):\nOSError: [Errno 28] No space left on device\n"
+         "dflash-ops: training process 5 ended: exit 1\n")
+SECOND = ("dflash-ops: launch 2026-11-29T12:46:40Z of run r1\n"
+          "12:47:00 INFO resumed from /root/runs/r1/checkpoints/step-500 at step 500\n"
+          "12:47:10 INFO step 510/3000 | loss 0.3000\n12:47:20 INFO step 525/3000 | loss 0.2900\n")
+
+
+def _train(step, loss, time, **extra):
+    return json.dumps({"kind": "train", "step": step, "loss": loss, "tokens_per_s": 100.0, "lr": 1e-3,
+                       "time": time, **extra}) + "\n"
+
+
+RESUMED_METRICS = "".join([
+    json.dumps({"kind": "eval", "step": 0, "loss": 9.0, "time": T1 + 1}) + "\n",
+    _train(500, 0.35, T1 + 500),
+    json.dumps({"kind": "checkpoint", "step": 500, "replica_max_abs_diff": 0.0}) + "\n",
+    json.dumps({"kind": "eval", "step": 500, "loss": 0.4, "time": T1 + 501}) + "\n",
+    json.dumps({"kind": "eval", "step": 600, "loss": 0.3, "time": T1 + 601}) + "\n",
+    _train(700, 0.21, T1 + 700),
+    _train(510, 0.30, T2 + 10, stop_step=3000),
+    _train(525, 0.29, T2 + 40, stop_step=3000),  # 15 steps in 30 s
+])
+
+
+def resumed_run(runs, stopped=True):
+    files = {"pid": "9\n", "pgid": "8\n", "started": f"{T2}\n", "code_version": "tree c3\n"}
+    if stopped:
+        files.update(ended=f"{T2 + 50}\n", exit_code="0\n", stopped=f"term {T2 + 50}\n")
+    run = make_run(runs, "r1", files, log=FIRST + SECOND, metrics=RESUMED_METRICS)
+    (run / "checkpoints").mkdir()
+    (run / "checkpoints" / "latest").write_text("step-500\n")
+    return run
+
+
+def test_status_of_a_resumed_run_is_of_its_current_segment_only(runs):
+    """Issue 32: step 700 with the loss of step 525, an old held-out loss, an old disk-full line paging."""
+    from dflash_ops.oncall import monitoring
+
+    resumed_run(runs)
+    answer = call("status", runs=str(runs), name="r1")
+    assert answer["log"] == SECOND.splitlines()  # the log's lines since the last launch line
+    assert answer["segment_offset"] == len(FIRST)
+    st = status.parse_status(json.dumps({"ok": answer}))
+    assert (st.state, st.step, st.total_steps, st.percent, st.loss) == ("stopped", 525, 3000, 17.5, 0.29)
+    assert (st.eval_step, st.eval_loss) == (500, 0.4)  # not step 600 of the redone steps, nor step 0
+    assert (st.checkpoint_step, st.duration_s, st.uptime_s, st.eta_s) == (500, 50, None, None)
+    assert st.findings == [] and st.last_error is None
+    verdict = monitoring.verdict(st, "pve1/200", monitoring.Thresholds(min_free_runs=0, min_free_shm=0))
+    assert verdict.code == monitoring.OK, verdict.line()
+    assert "step 525" in verdict.line() and "loss 0.29" in verdict.line()
+
+
+def test_a_resumed_run_alive_has_an_eta_from_this_segments_rate(runs):
+    resumed_run(runs, stopped=False)
+    lock = HeldLock(runs)
+    try:
+        answer = call("status", runs=str(runs), name="r1")
+    finally:
+        lock.release()
+    st = status.parse_status(json.dumps({"ok": answer}))
+    assert (st.state, st.step, st.steps_per_s) == (answer["state"], 525, 0.5)
+    assert st.state in ("running", "stalled") and st.eta_s == (3000 - 525) * 2
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    status.render(st, "pve1/200", console)
+    text = console.export_text()
+    for row in ("525 of 3000 (17.5%)", "0.29 (step 525)", "0.4 (step 500)", "step-500, written",
+                "1h22m30s (0.5 steps/s", "uptime"):
+        assert row in text, text
+
+
+def test_a_crashed_segment_names_only_its_own_error_lines(runs):
+    resumed_run(runs)
+    (runs / "r1" / "stopped").unlink()
+    (runs / "r1" / "exit_code").write_text("1\n")
+    with open(runs / "r1" / "train.log", "a") as f:
+        f.write("12:47:30 INFO data: 0 rows not found in the cache\n12:47:31 ERROR loader failed\n"
+                "dflash-ops: training process 9 ended: exit 1\n")
+    st = status.parse_status(json.dumps({"ok": call("status", runs=str(runs), name="r1")}))
+    assert (st.state, st.last_error, st.findings) == ("crashed", "12:47:31 ERROR loader failed", [])
+
+
+@pytest.mark.parametrize("window", [7, 16, 19, 20, 64, 1 << 20])
+def test_segment_start_is_the_last_launch_line_wherever_the_read_windows_fall(tmp_path, monkeypatch, window):
+    monkeypatch.setattr(prelude, "TAIL_WINDOW", window)
+    log = tmp_path / "train.log"
+    assert prelude.segment_start(str(log)) == 0  # no log
+    log.write_text("dflash-ops: launch a of run x\nline\n")
+    assert prelude.segment_start(str(log)) == 0
+    body = ("dflash-ops: launch a of run x\n" + "y" * 50 + "\ndflash-ops: launch b of run x\nz\n"
+            + "w" * 40 + "\n")
+    log.write_text(body)
+    assert prelude.segment_start(str(log)) == body.index("dflash-ops: launch b")
+    log.write_text("no launch line here\n" * 5)
+    assert prelude.segment_start(str(log)) == 0
 
 
 def test_metrics_sends_the_newest_lines_within_its_cap(runs):

@@ -113,7 +113,7 @@ log dflash-ops: training process 912 ended: exit 1
 """  # noqa: E501
 
 
-def test_finished_run_reports_last_train_metrics_and_uptime():
+def test_finished_run_reports_last_train_metrics_and_duration():
     st = parse_status(status_answer(FINISHED))
     assert (st.run, st.state, st.detail, st.pid) == ("t1", "finished", "exit 0", 82)
     assert st.step == 30
@@ -122,7 +122,7 @@ def test_finished_run_reports_last_train_metrics_and_uptime():
     assert st.tokens_per_s == pytest.approx(4905.897291164022)
     assert st.lr == pytest.approx(0.004999212664740431)
     assert st.eval_loss == pytest.approx(4.614003479480743)
-    assert st.uptime_s == 1795953966 - 1795953931
+    assert (st.duration_s, st.uptime_s) == (1795953966 - 1795953931, None)  # ended: no uptime
     assert st.code_version.startswith("tree c3f5d18a")
     assert st.findings == [] and st.gpus == []
 
@@ -142,7 +142,7 @@ def test_sigkilled_run_is_crashed_with_the_signal():
     assert st.state == "crashed"
     assert st.exit_code == "signal 9"
     assert st.detail == "killed by signal 9 (SIGKILL)"
-    assert st.uptime_s == 16
+    assert st.duration_s == 16
 
 
 def with_memory(answer: str, limit, kills) -> str:

@@ -304,7 +304,9 @@ def status(c, run=None, json=False, stall_after=600, ct=None, group=None, invent
 
 
 @op_task(name="watch", help={
-    "run": "the run to watch (it may be about to start)",
+    "run": "the run to watch",
+    "wait": "the run may be about to start: wait for it to appear (without it, a run that is not there "
+            "is one line naming the runs there are, exit 6)",
     "every": "seconds between polls (one round trip each)",
     "stall_after": "a running run silent this many seconds is stalled",
     "hang_after": "... and this many seconds: hung",
@@ -314,21 +316,22 @@ def status(c, run=None, json=False, stall_after=600, ct=None, group=None, invent
                     "URL on this file's first line (chmod 600); or export DFLASH_WEBHOOK_URL",
     "webhook": "refused: a URL in argv is visible to every local user; use --webhook-file"})
 def watch_run(t, run=None, every=30, stall_after=600, hang_after=1800, notify_cmd=None, webhook_file=None,
-              webhook=None, ct=None, inventory=None, dry_run=False):
+              webhook=None, wait=False, ct=None, inventory=None, dry_run=False):
     """Watch a run until it ends: one line per event, and to a webhook or a command.
 
-    Events: started, stalled, hung, recovered, a known failure in the log (with its runbook), a new
-    evaluation, crashed (with the runbook), finished, stopped; unreachable/reachable when a poll
-    fails or works again. Each poll is one round trip. Webhook and command run on a background
-    thread with retries and backoff: a dead receiver is reported on stderr and never delays the
-    watch. The webhook URL comes from --webhook-file or $DFLASH_WEBHOOK_URL, never from argv; its
-    credentials and tokens are never printed. Exit 0 when the run finished or was stopped, 6 when it
-    crashed; Ctrl-C stops watching (the run goes on).
+    A run that is not there is one line naming the runs there are (exit 6); with --wait the watch
+    waits for it to start. Events: started, stalled, hung, recovered, a known failure in the log
+    (with its runbook), a new evaluation, crashed (with the runbook), finished, stopped;
+    unreachable/reachable when a poll fails or works again. Each poll is one round trip. Webhook and
+    command run on a background thread with retries and backoff: a dead receiver is reported on
+    stderr and never delays the watch. The webhook URL comes from --webhook-file or
+    $DFLASH_WEBHOOK_URL, never from argv; its credentials and tokens are never printed. Exit 0 when
+    the run finished or was stopped, 6 when it crashed; Ctrl-C stops watching (the run goes on).
     """
     from dflash_ops.oncall import alerting, notify
 
     alerting.watch(t, run, float(every), float(stall_after), float(hang_after),
-                   webhook=notify.webhook_url(webhook_file, webhook), notify_cmd=notify_cmd)
+                   webhook=notify.webhook_url(webhook_file, webhook), notify_cmd=notify_cmd, wait=bool(wait))
 
 
 @op_task(fan_out=ROWS, help={"run": "run name (default: the latest run)",

@@ -305,7 +305,7 @@ def parse_numbers(fn):
 # an option of several tasks has the same letter in all of them (these, where Invoke's automatic
 # letters would differ); every other option gets Invoke's automatic letter.
 SHORT_FLAGS = {"ct": "c", "group": "g", "inventory": "i", "dry_run": "d", "run": "r", "device": "v",
-               "target": "t"}
+               "target": "t", "wait": "w"}
 HELP_FLAG = "h"
 # `-n` is a count everywhere (`logs -n 200`, `metrics -n 50`): only a parameter named n has it. And a
 # dash is never a short flag (Invoke would pick the `-` of `min-free-shm`: `--=STRING` in the help).

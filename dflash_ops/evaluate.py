@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from . import payload, runs
-from .errors import DflashOpsError, ExitStatus, PreflightFailed, RunStateError, UsageError
+from .errors import DflashOpsError, ExitStatus, NoSuchRun, PreflightFailed, RunStateError, UsageError
 from .inventory import Container
 
 EVAL_SCRIPT = "eval_dflash.py"
@@ -88,7 +88,7 @@ def eval_needs(ct: Container, run: str, checkpoint: str, prompts: str | None) ->
     else:
         checkpoint_dir = checkpoint if "/" in checkpoint else f"{run_dir}/checkpoints/{checkpoint}"
         needed, test = f"{checkpoint_dir}/config.json", "f"
-    needs = [payload.Need(run_dir, "d", RunStateError(
+    needs = [payload.Need(run_dir, "d", NoSuchRun(  # evaluate() asks the container for its runs then
                  f"no run {run!r} on {ct.label} (in {ct.paths.runs}): `invoke runs` lists them")),
              payload.Need(needed, test, RunStateError(
                  f"run {run}: no checkpoint {checkpoint!r} on {ct.label} ({checkpoint_dir}); "
@@ -138,8 +138,14 @@ def evaluate(t, run: str, echo=print, **options) -> Evaluation | None:
     """Run eval_dflash.py on run `run`; returns its Evaluation (None in a dry run)."""
     run = runs.validate_run_name(run)
     argv = eval_argv(t.container, run, **options)  # bad flags: one line before anything is sent
-    payload.require(t, eval_needs(t.container, run, options.get("checkpoint") or "latest",
-                                  options.get("prompts")))
+    try:
+        payload.require(t, eval_needs(t.container, run, options.get("checkpoint") or "latest",
+                                      options.get("prompts")))
+    except NoSuchRun:
+        from .history import require_run
+
+        require_run(t, run)  # the one unknown-run line, with the runs there are
+        raise
     result, found = payload.run_script(t, argv, "evaluation", echo,
                                        ok=(0, EXIT_NOT_LOSSLESS), summary=(EVAL_SUMMARY,))
     if t.dry_run:

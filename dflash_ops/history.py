@@ -61,6 +61,13 @@ def _ask(t, verb: str, args: dict) -> dict | None:
     return checked(answer, f"{ct.label}: {'runs' if verb == 'list' else verb}")
 
 
+def require_run(t, run: str | None) -> str | None:
+    """The run `run` names (or the latest) in one round trip: its name, or the one unknown-run error
+    (runs.no_such_run, raised by ship.answer). None in a dry run."""
+    answer = ship.call(t, "runs", "resolve", {"runs": t.container.paths.runs, "name": run}, what="run")
+    return None if answer is None else ship.field(answer, "run", str, f"{t.container.label}: run")
+
+
 def _int(value):
     return value if isinstance(value, int) and not isinstance(value, bool) and abs(value) < 1 << 62 else None
 

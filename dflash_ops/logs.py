@@ -21,7 +21,7 @@ import sys
 import threading
 
 from . import runs, terminal
-from .errors import HostUnreachable, RunStateError, UsageError
+from .errors import HostUnreachable, UsageError
 from .remote import ship
 from .remote.prelude import LINE_CAP
 
@@ -141,8 +141,6 @@ def show(t, run: str | None = None, lines: int = DEFAULT_LINES, follow: bool = F
         try:
             ship.answer(json.dumps(answer), f"{ct.label}: logs")
         except ship.Refusal as refusal:
-            if refusal.kind == "no-run":
-                raise RunStateError(f"{refusal}; start one with `invoke train`") from None
             ship.raise_common(refusal)
     if answer is None or not isinstance(answer.get("ok"), dict):
         if result.exited == EXIT_INTERRUPTED:
@@ -162,8 +160,6 @@ def _last_lines(t, name: str | None, lines: int, printer: LogPrinter) -> LogPrin
     try:
         answer = ship.call(t, "runs", "logs-tail", payload, timeout=TAIL_TIMEOUT_S, what="logs")
     except ship.Refusal as refusal:
-        if refusal.kind == "no-run":
-            raise RunStateError(f"{refusal}; start one with `invoke train`") from None
         ship.raise_common(refusal)
     if t.dry_run:
         return printer

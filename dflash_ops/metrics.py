@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import runs, terminal
-from .errors import RunStateError, UsageError
+from .errors import UsageError
 from .remote import ship
 from .status import fmt
 
@@ -110,13 +110,7 @@ def fetch(t, run: str | None = None) -> RunMetrics | None:
                       timeout=METRICS_TIMEOUT_S + 5, cap=MAX_ANSWER)
     if t.dry_run:
         return None
-    try:
-        out = parse_metrics(result.stdout, name or "", f"{ct.label}: metrics")
-    except ship.Refusal as refusal:
-        if refusal.kind == "no-run":
-            raise RunStateError(f"{refusal}; `invoke status` names the latest run") from None
-        raise
-    return out
+    return parse_metrics(result.stdout, name or "", f"{ct.label}: metrics")
 
 
 # --- the table ------------------------------------------------------------------------------------

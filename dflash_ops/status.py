@@ -89,7 +89,7 @@ class RunStatus:
             return "no run yet"
         state = self.state + (f" ({self.detail})" if self.detail else "")
         findings = "".join(f"; {f['title']}: read {f['runbook']}" for f in self.findings)
-        return (f"run {self.run}: {state} | step {fmt(self.step, 'd')} | loss {fmt(self.loss, '.4f')} "
+        return (f"run {self.run}: {state} | step {describe_step(self)} | loss {fmt(self.loss, '.4f')} "
                 f"| tau {fmt(self.acceptance_length, '.2f')}{findings}")
 
 

@@ -95,9 +95,11 @@ def export_metrics(targets, run, stall_after, path: str | None) -> Report:
         raise UsageError(f"--prometheus {path}: cannot write it: {exc.strerror or exc}") from None
 
 
-def watch(t, run, every, stall_after, hang_after, webhook=None, notify_cmd=None, out=None) -> str:
+def watch(t, run, every, stall_after, hang_after, webhook=None, notify_cmd=None, out=None,
+          wait: bool = False) -> str:
     """Poll until the run ends; print each event and hand it to the sinks. Returns the final state;
-    raises RunStateError when the run crashed or vanished, so the exit code says so."""
+    raises RunStateError when the run crashed or vanished, so the exit code says so, and NoSuchRun
+    when it is not there at the first poll (with `wait`: waits for it)."""
     events.check_watchable(run, every, stall_after, hang_after)
     out = out or sys.stdout
 
@@ -111,7 +113,7 @@ def watch(t, run, every, stall_after, hang_after, webhook=None, notify_cmd=None,
         if notify_cmd:
             sinks.append(notify.Command(notify_cmd, report))
         if t.dry_run:
-            status_mod.gather(t, run, stall_after)
+            status_mod.gather(t, run, stall_after, missing_ok=wait)
             return "dry-run"
 
         def emit(event):
@@ -121,7 +123,7 @@ def watch(t, run, every, stall_after, hang_after, webhook=None, notify_cmd=None,
                 sink.send(record)
 
         try:
-            final = events.watch_run(t, run, every, stall_after, hang_after, emit)
+            final = events.watch_run(t, run, every, stall_after, hang_after, emit, wait=wait)
         except KeyboardInterrupt:
             print("stopped watching; the run goes on", file=out, flush=True)
             for sink in sinks:

@@ -4,7 +4,7 @@ Each poll is the status task's one round trip (`status.gather`); `changes(before
 turns two consecutive RunStatus into events:
 
     watching   the first poll found the run alive        started    it appeared and is alive
-    waiting    the first poll found no such run          (it may be about to start)
+    waiting    the first poll found no such run          (--wait: it may be about to start)
     stalled    alive but silent past --stall-after       hung       ... and past --hang-after
     recovered  a stalled run logs again                  signature  a known failure in the log's tail
     evaluation a new held-out evaluation or `invoke eval`
@@ -104,8 +104,10 @@ POLL_ERRORS = (ConnectError, ContainerError, RemoteCommandFailed)
 
 
 def watch_run(t, run: str, every: float, stall_after: float, hang_after: float, emit,
-              sleep=time.sleep, max_polls: int | None = None) -> str:
-    """Poll until the run ends; `emit(Event)` for each change. Returns the final state.
+              sleep=time.sleep, max_polls: int | None = None, wait: bool = False) -> str:
+    """Poll until the run ends; `emit(Event)` for each change. Returns the final state. A run that is
+    not there at the first poll is NoSuchRun (the one unknown-run line), unless `wait`: then the
+    `waiting` event, and the watch waits for it to start.
 
     A failed poll (host unreachable, container stopped, a command failed) is an `unreachable`
     event, once, and the watch goes on; `reachable` when a poll works again. Ctrl-C
@@ -116,7 +118,7 @@ def watch_run(t, run: str, every: float, stall_after: float, hang_after: float, 
     while max_polls is None or polls < max_polls:
         polls += 1
         try:
-            now = status_mod.gather(t, run, stall_after)
+            now = status_mod.gather(t, run, stall_after, missing_ok=wait or before is not None)
         except POLL_ERRORS as exc:
             if not failing:
                 emit(Event("unreachable", f"cannot read the run's facts: {exc}", run=run, **label))

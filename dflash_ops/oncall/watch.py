@@ -12,7 +12,7 @@ import time
 
 from .. import runs, terminal
 from .. import status as status_mod
-from ..errors import DflashOpsError
+from ..errors import DflashOpsError, NoSuchRun
 
 
 def _view(st, label: str, width: int):
@@ -47,6 +47,10 @@ def watch(t, run: str | None = None, stall_after: float = status_mod.DEFAULT_STA
                     note = Text(f"refreshed {time.strftime('%H:%M:%S')}, every {interval:g} s; Ctrl-C stops "
                                 f"watching (the run goes on)", style="dim")
                     good += 1
+                except NoSuchRun:
+                    if not good:  # a mistyped name: the one unknown-run line, not a view of dashes
+                        raise
+                    note = Text(f"{time.strftime('%H:%M:%S')} the run is gone", style="bold red")
                 except DflashOpsError as exc:  # keep the last good view, say why it is stale
                     note = Text(f"{time.strftime('%H:%M:%S')} refresh failed: {terminal.visible(str(exc))}",
                                 style="bold red")

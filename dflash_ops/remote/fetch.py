@@ -20,7 +20,7 @@ import os
 import re
 import stat
 
-from dflash_ops.remote.prelude import Refused, emit, open_regular, serve
+from dflash_ops.remote.prelude import Refused, emit, open_regular, resolve_run, serve
 
 STEP = re.compile(r"step-[0-9]{1,12}")
 POINTER_MAX = 64
@@ -64,6 +64,8 @@ def newest(root):
 
 def checkpoint_dir(runs, run, want):
     run_dir = os.path.join(runs, run)
+    if not os.path.lexists(run_dir):
+        resolve_run(runs, run)  # the no-run refusal, with the runs there are
     real_dir(run_dir, "no-run", "run")
     root = os.path.join(run_dir, "checkpoints")
     real_dir(root, "no-checkpoint", "checkpoints directory")

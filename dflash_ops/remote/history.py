@@ -36,6 +36,7 @@ from dflash_ops.remote.prelude import (
     read_end,
     read_spec,
     read_text,
+    resolve_run,
     runs_lock,
     serve,
     state_of_run,
@@ -246,7 +247,8 @@ def pin(args):
     runs, name = args["runs"], args["run"]
     run_dir = os.path.join(runs, name)
     if not RUN_NAME.match(name) or not os.path.isdir(run_dir) or os.path.islink(run_dir):
-        raise Refused("no-run", f"no run {name!r} in {runs}: `invoke runs` lists them")
+        resolve_run(runs, name)  # the no-run refusal, with the runs there are
+        raise Refused("no-run", f"no run {name!r} in {runs}", name=name[:200], runs=[])
     marker = os.path.join(run_dir, PIN_FILE)
     before = os.lstat(run_dir)  # a run without start records is dated by its directory's mtime: kept
     if args.get("pin", True):

@@ -187,6 +187,13 @@ def code_version(manifest_path):
     return version, manifest
 
 
+def resolve_verb(args):
+    """The run `name` names (or the latest): {"run": name}; the no-run refusal (with the runs there
+    are) otherwise. For the tasks whose work is no runs verb (`eval`)."""
+    _, name, _ = resolve(args)
+    return {"run": name}
+
+
 def logs_tail(args):
     runs, name, path = resolve(args)
     return {"run": name, "lines": tail_lines(os.path.join(path, "train.log"), int(args.get("lines", 50)),
@@ -592,7 +599,7 @@ def clean_caches(args):
 
 VERBS = {"status": status, "logs-tail": logs_tail, "follow": follow, "metrics": metrics, "launch": launch,
          "wait": wait, "stop": stop, "warmup": warmup, "clean-caches": clean_caches,
-         "spec": spec}
+         "spec": spec, "resolve": resolve_verb}
 
 
 if __name__ == "__main__":

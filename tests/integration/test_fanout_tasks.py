@@ -44,18 +44,21 @@ def test_status_logs_stop_one_row_per_container(cli):
     cli("train", "--ct", "201", "--run", "short", "--max-steps", "2", *QUICK)
     cli("logs", "--follow", "--ct", "201", "--run", "short", "-n", "0")  # returns when the run ends
 
-    status = rows(cli("status", "--group", "all", "--run", "short").stdout)
-    assert status["pve1/200"] == (True, "run short: missing | step - | loss - | tau -"), status
-    assert re.fullmatch(r"run short: finished \(exit 0\) \| step 2 \| loss \d+\.\d+ \| tau \d\.\d\d",
-                        status["pve2/201"][1]), status
-    facts = json.loads(cli("status", "--group", "all", "--run", "short", "--json").stdout)
-    assert (facts["pve1/200"]["state"], facts["pve2/201"]["state"], facts["pve2/201"]["step"]) == (
-        "missing", "finished", 2)
+    # pve1/200 has no run short: its row is the unknown-run line, as logs' below
+    status = rows(cli("status", "--group", "all", "--run", "short", code=ExitStatus.FAN_OUT_FAILED).stdout)
+    assert not status["pve1/200"][0], status
+    assert status["pve1/200"][1].startswith("no run 'short' on pve1/200"), status
+    assert re.fullmatch(r"run short: finished \(exit 0\) \| step 2 of 2 \(100\.0%\) \| loss \d+\.\d+ "
+                        r"\| tau \d\.\d\d", status["pve2/201"][1]), status
+    facts = json.loads(cli("status", "--group", "all", "--run", "short", "--json",
+                           code=ExitStatus.FAN_OUT_FAILED).stdout)
+    assert list(facts) == ["pve2/201"] and (facts["pve2/201"]["state"], facts["pve2/201"]["step"]) == (
+        "finished", 2)
 
     # One container has no such run: its row fails, the other's lines and row are still there.
     logs = cli("logs", "--group", "all", "--run", "short", "-n", "5", code=ExitStatus.FAN_OUT_FAILED)
     table = rows(logs.stdout)
-    assert not table["pve1/200"][0] and "no run named short" in table["pve1/200"][1]
+    assert not table["pve1/200"][0] and "no run 'short' on pve1/200" in table["pve1/200"][1]
     assert table["pve2/201"] == (True, "run short"), table
     assert "pve2/201 | ==> dflash-ops: run short" in logs.stdout
     assert re.search(r"^pve2/201 \| .*step 2/2", logs.stdout, re.M)

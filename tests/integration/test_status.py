@@ -12,9 +12,12 @@ pytestmark = pytest.mark.integration
 
 
 def test_no_run_yet_and_unknown_run(deployed):
-    assert deployed.status("nope")["state"] == "missing"
     latest = deployed.invoke("status", "--json").stdout
     assert '"state": "none"' in latest
+    missing = deployed.invoke("status", "--run", "nope", "--json", check=False)
+    assert (missing.returncode, missing.stdout, missing.stderr) == (
+        ExitStatus.RUN_STATE, "",
+        "error: no run 'nope' on pve1/200; no runs yet: start one with `invoke train`\n")
 
 
 def test_stalled_then_running_then_killed_by_sigkill_is_crashed_with_the_signal(deployed):
@@ -92,4 +95,4 @@ def test_a_run_on_answers_not_from_its_target_is_flagged_in_status_and_refused_o
     assert refused.returncode == ExitStatus.PREFLIGHT and "Traceback" not in refused.stderr, refused.stderr
     [line] = refused.stderr.strip().splitlines()
     assert "teacher-forced on data not produced by this target" in line and "invoke regenerate" in line
-    assert deployed.status("refused")["state"] == "missing"
+    assert deployed.invoke("status", "--run", "refused", check=False).returncode == ExitStatus.RUN_STATE

@@ -143,8 +143,8 @@ def test_error_messages_from_remote_stderr(box, planted):
         r = invoke_bytes(box, "logs")
         assert r.returncode != ExitStatus.OK
         assert b"\x1b" not in r.stderr and b"\x07" not in r.stderr and b"Traceback" not in r.stderr, r.stderr
-        # a name holding `/` is refused by the container, quoted as Python's repr (visible, no raw byte)
-        assert ("no run named 'gone\\x1b]0;TITLE\\x07\\x1b[2J[/]' under /root/runs"
+        # a name holding `/` is refused by the container, shown visibly (^[ for ESC, no raw byte)
+        assert ("no run 'gone^[]0;TITLE^G^[[2J[/]' on pve1/200; runs: "
                 in r.stderr.decode()), r.stderr
     finally:
         write(box, "/root/runs/.current", RUN + "\n")

@@ -9,7 +9,7 @@ import pytest
 from recorded_answers import metrics_answer, status_answer
 
 from dflash_ops import evaluate, fetch, metrics, payload
-from dflash_ops.errors import RemoteCommandFailed, UsageError
+from dflash_ops.errors import NoSuchRun, RemoteCommandFailed, UsageError
 from dflash_ops.inventory import parse_inventory
 from dflash_ops.remote import ship
 
@@ -108,7 +108,9 @@ def test_metrics_script_on_a_real_run_dir(tmp_path):
     parsed = metrics.parse_metrics(out, "t")
     assert [r["loss"] for r in parsed.train] == [2.0] and parsed.dflash_evals == []
     missing = json.loads(run_verb("metrics", {"runs": str(tmp_path / "runs"), "name": "nope"}))
-    assert missing["error"] == "no-run" and "no run named nope" in missing["message"]
+    assert (missing["error"], missing["name"], missing["runs"]) == ("no-run", "nope", ["t"])
+    with pytest.raises(NoSuchRun, match=r"^no run 'nope' on pve1/200; runs: t$"):
+        metrics.parse_metrics(json.dumps(missing), "nope", "pve1/200: metrics")
 
 
 # --- eval / regenerate argv ------------------------------------------------------------------------

@@ -1,5 +1,7 @@
 """invoke status against the embedded host: one round trip, stalled, crashed with the signal, the table."""
 
+import json
+import re
 import shlex
 
 import pytest
@@ -96,3 +98,77 @@ def test_a_run_on_answers_not_from_its_target_is_flagged_in_status_and_refused_o
     [line] = refused.stderr.strip().splitlines()
     assert "teacher-forced on data not produced by this target" in line and "invoke regenerate" in line
     assert deployed.invoke("status", "--run", "refused", check=False).returncode == ExitStatus.RUN_STATE
+
+
+def check(deployed, run):
+    return deployed.invoke("status", "--run", run, "--check", "--min-free", "0", "--min-free-shm", "0",
+                           check=False)
+
+
+def test_a_resumed_run_shows_its_own_step_of_total_loss_and_checkpoint_and_its_old_failure_pages_nothing(
+        deployed):
+    """Issue 32: after a disk-full crash and a resume, `status --check` stayed CRITICAL for a line of the
+    first launch; status mixed the steps and losses of the two."""
+    deployed.train("recovered", "--max-steps", "2")
+    deployed.invoke("logs", "--follow", "--run", "recovered", "-n", "0", timeout=600)  # to its end
+    # What a first launch that died on a full disk leaves in its log (the payload's own words for it).
+    deployed.sh('printf "%s\\n" "OSError: [Errno 28] No space left on device" >> "$1"',
+                "/root/runs/recovered/train.log")
+    failed = check(deployed, "recovered")
+    assert failed.returncode == 2 and "disk full in the log: read docs/runbooks/disk-full.md" in failed.stdout
+
+    deployed.invoke("train", "--run", "recovered", "--max-steps", "4")  # the resume: a new segment
+    deployed.invoke("logs", "--follow", "--run", "recovered", "-n", "0", timeout=600)
+    ok = check(deployed, "recovered")
+    assert ok.returncode == 0, ok.stdout
+    assert ok.stdout.startswith("OK - pve1/200: run recovered finished (exit 0), step 4, loss "), ok.stdout
+
+    st = deployed.status("recovered")
+    metrics = [json.loads(line) for line in deployed.run_file("recovered", "metrics.jsonl").splitlines()]
+    last = [m for m in metrics if m.get("kind") == "train"][-1]
+    assert (st["step"], st["total_steps"], st["percent"], st["loss"]) == (4, 4, 100.0, last["loss"])
+    assert (st["checkpoint_step"], st["findings"], st["last_error"]) == (4, [], None)
+    assert st["duration_s"] is not None and st["uptime_s"] is None
+    table = deployed.invoke("status", "--run", "recovered").stdout
+    assert "4 of 4 (100.0%)" in table and f"{last['loss']:.4g} (step 4)" in table, table
+    assert re.search(r"checkpoint +│ step-4, written \d+m\d\ds ago", table), table
+    assert "duration" in table and "uptime" not in table and "disk full" not in table
+
+
+TASKS_TAKING_RUN = {  # every task with --run, as a user types it with a mistyped name
+    "status": ["status", "--run", "r11"],
+    "status --json": ["status", "--run", "r11", "--json"],
+    "logs": ["logs", "--run", "r11"],
+    "logs --follow": ["logs", "--run", "r11", "--follow"],
+    "metrics": ["metrics", "--run", "r11"],
+    "fetch": ["fetch", "--run", "r11", "--to", "{tmp}/out"],
+    "eval": ["eval", "--run", "r11"],
+    "watch": ["watch", "--run", "r11", "--every", "1"],
+    "stop": ["stop", "--run", "r11"],
+    "runs --pin": ["runs", "--pin", "r11"],
+}
+
+
+@pytest.mark.parametrize("task", list(TASKS_TAKING_RUN))
+def test_an_unknown_run_gets_the_one_answer_from_every_task(deployed, tmp_path, task):
+    """Issue 32: six tasks, six answers (a table of dashes and exit 0, a path, 7 s of eval, a watch for
+    ever); now one line naming the runs there are, and exit 6."""
+    deployed.sh("mkdir -p /root/runs/r1 /root/runs/r2")
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in TASKS_TAKING_RUN[task]]
+    r = deployed.invoke(*argv, check=False, timeout=60)
+    assert r.returncode == ExitStatus.RUN_STATE, (r.returncode, r.stdout, r.stderr)
+    [line] = r.stderr.splitlines()
+    assert line.startswith("error: no run 'r11' on pve1/200; runs: ") and line.endswith(
+        " (did you mean r1?)"), line
+    assert "r1, r2" in line and r.stdout == ""
+
+
+def test_watch_waits_for_a_missing_run_only_with_wait(deployed):
+    watch = deployed.popen("watch", "--run", "r12", "--every", "1", "--wait")
+    try:
+        line = watch.stdout.readline()
+        assert "run r12 on pve1/200 does not exist yet; waiting for it to start" in line, line
+        assert watch.poll() is None  # still waiting
+    finally:
+        watch.kill()
+        watch.wait()

@@ -94,3 +94,35 @@ def test_a_process_reaped_while_pct_reads_its_proc_file_reads_as_nothing(monkeyp
     monkeypatch.setattr(builtins, "open", lambda path, *a, **k: Reaped() if str(path).startswith("/proc/1234")
                         else real_open(path, *a, **k))
     assert pct.read_text("/proc/12345/stat") == ""
+
+
+@pytest.mark.parametrize("v2, grow, order", [
+    (False, True, ["memory.memsw.limit_in_bytes", "memory.limit_in_bytes"]),  # memsw may never be below
+    (False, False, ["memory.limit_in_bytes", "memory.memsw.limit_in_bytes"]),
+    (True, True, ["memory.swap.max", "memory.max"]),
+])
+def test_pct_set_writes_the_config_and_hot_applies_memory_in_an_order_v1_accepts(tmp_path, monkeypatch,
+                                                                                 v2, grow, order):
+    pct = _standin(tmp_path)
+    conf_dir = tmp_path / "nodes" / "pve1" / "lxc"
+    conf_dir.mkdir(parents=True)
+    (conf_dir / "200.conf").write_text("".join(f"{k}: {v}\n" for k, v in CONF.items()))
+    monkeypatch.setattr(pct, "HOST_DIR", str(tmp_path))
+    monkeypatch.setattr(pct, "cgroup_v2", lambda: v2)
+    exists = pct.os.path.exists
+    monkeypatch.setattr(pct.os.path, "exists",  # v1 swap accounting on
+                        lambda path: path.endswith("memory.memsw.limit_in_bytes") or exists(path))
+    monkeypatch.setattr(pct, "running", lambda vmid: True)
+    calls = []
+    monkeypatch.setattr(pct.subprocess, "run", lambda argv, **kw: calls.append(argv[-2:]) or
+                        type("R", (), {"returncode": 0, "stderr": ""})())
+    assert pct.cmd_set("200", "--memory", "4096" if grow else "256") == 0
+    assert [key for key, _ in calls] == order
+    assert dict(calls)[order[-1 if grow else 0]] == str((4096 if grow else 256) << 20)
+    text = (conf_dir / "200.conf").read_text()
+    assert ("memory: 4096" if grow else "memory: 256") in text and "memory: 768" not in text
+    assert "hostname: ct200" in text and "swap: 0" in text
+    with pytest.raises(pct.PctError, match="property is not defined in schema"):
+        pct.cmd_set("200", "--cores", "2")
+    with pytest.raises(pct.PctError, match="memory: value must be"):
+        pct.cmd_set("200", "--memory", "lots")

@@ -7,6 +7,7 @@ import signal
 import pytest
 from training_runs import LONG, deployed  # noqa: F401 (deployed: the module's container)
 
+from dflash_ops import sandbox as sandbox_mod
 from dflash_ops.errors import ExitStatus
 
 pytestmark = pytest.mark.integration
@@ -103,7 +104,11 @@ def test_last_lines_and_known_failures_highlighted(deployed, live_run):
 
 
 def sshd_session_of(deployed):
-    """The sandbox's sshd process serving the SSH connection of the (one) log follower."""
+    """The sandbox's sshd process serving the SSH connection of the (one) log follower.
+
+    Only sessions under this sandbox's own sshd count: other test workers run followers of their
+    own sandboxes at the same time, and killing one of their sessions would fail their test."""
+    listener = sandbox_mod.status(deployed.sandbox.state_dir).hosts[0].sshd_pid
     def parent(p):
         return int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1])
 
@@ -118,9 +123,11 @@ def sshd_session_of(deployed):
         # pct exec becomes `lxc-attach ... -- <the container's argv>` (pct execs it, as pve-container):
         # the host process whose argv runs the runs helper's follow verb, under an sshd session
         if " follow {" in cmd and ("lxc-attach " in cmd or f"{deployed.sandbox.pct} exec 200 " in cmd):
-            p = int(entry)
+            p, session = int(entry), None
             while p > 1:
-                if cmdline(p).startswith("sshd: root@"):
-                    return p
+                if session is None and cmdline(p).startswith("sshd: root@"):
+                    session = p
+                if p == listener and session is not None:
+                    return session
                 p = parent(p)
     raise AssertionError("no sshd session serving a follower")

@@ -22,6 +22,7 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from . import fanout, runs, terminal
+from .history import parse_segment
 from .remote import ship
 from .remote.prelude import STATES
 from .runs import last_error_line
@@ -79,6 +80,7 @@ class RunStatus:
     findings: list = field(default_factory=list)  # [{key, title, runbook, line}]
     last_error: str | None = None   # a crashed run's last error line of its current segment
     spec: dict | None = None        # the run's spec (launch.json): config, sets, max_steps, devices, code
+    segment: dict | None = None     # the current segment (segments.jsonl): n, kind, start, log_offset, ...
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=False)
@@ -184,6 +186,7 @@ def parse_status(text: str, where: str = "status", missing_ok: bool = True) -> R
     st.last_eval = _last_eval(facts_.get("eval"))
     st.data_warnings = _data_warnings(facts_.get("data"))
     st.spec = _spec(facts_.get("spec"))
+    st.segment = parse_segment(facts_.get("segment"))
     st.findings = [{"key": s.key, "title": s.title, "runbook": s.runbook, "line": line}
                    for s, line in runs.scan(logs)]
     free = _int(facts_.get("free"))
@@ -286,9 +289,10 @@ def _spec(value) -> dict | None:
     if not isinstance(value, dict):
         return None
     devices = value.get("devices") if isinstance(value.get("devices"), dict) else {}
-    steps = value.get("max_steps")
+    steps, restarts = value.get("max_steps"), value.get("max_restarts")
     return {"config": _text(value.get("config"), 1000), "sets": _texts(value.get("sets"), 2000, 200),
             "max_steps": None if isinstance(steps, str) else _int(steps),
+            "max_restarts": None if isinstance(restarts, str) else _int(restarts),
             "devices": {role: _text(devices.get(role), 400) for role in ("target", "drafter")},
             "inventory_sets": _texts(value.get("inventory_sets"), 2000, 50),
             "code_version": _text(value.get("code_version"), 300),

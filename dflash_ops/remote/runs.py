@@ -528,7 +528,8 @@ def ended(args):
 
 
 def wait(args):
-    """Stream the run's new log lines (one JSON line each) until it is going, has died, or time is up."""
+    """Stream the run's new log lines (one JSON line each) until it is going, has died (its training
+    process ended and its wrapper too: an automatic restart goes on to its first step), or time is up."""
     import re
     import signal
 
@@ -563,7 +564,7 @@ def wait(args):
         if ended is not None and not data:
             return {"outcome": "crashed", "exit_code": ended}
         code = (read_text(os.path.join(directory, "exit_code")) or "").strip()
-        if code:
+        if code and not run_alive(args["runs"], args["name"]):  # alive: its wrapper may restart it
             ended = code  # one more read: the wrapper's last line follows the exit code
             continue
         if time.monotonic() >= deadline:

@@ -40,7 +40,8 @@ with open(os.path.join(sys.argv[2], "metrics.jsonl"), "a") as f:
     f.write(json.dumps({"kind": "train", "step": 10 * (n + 1), "loss": 1.0}) + "\\n")
 if n < int(sys.argv[3]):
     os.kill(os.getpid(), signal.SIGKILL)
-if sys.argv[5] == "sleep":
+if sys.argv[5] == "sleep":  # until a stop's SIGTERM, which it answers by dying of SIGKILL
+    signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGKILL))
     import time; time.sleep(60)
 sys.exit(int(sys.argv[4]))
 """
@@ -81,6 +82,27 @@ def test_a_sigkilled_training_process_is_restarted_once_and_both_segments_are_re
     shown = history.describe_segments(answer, "pve1/200")
     assert "signal KILL" in shown and "restart 1" in shown and shown.splitlines()[-1].startswith(
         "total elapsed: ") and "in 2 segment(s)" in shown
+
+
+def test_the_launchs_wait_goes_on_through_a_restart_to_the_first_step(runs, tmp_path, capsys):
+    # killed before its first step: `train` waits for the restarted process's step, not `crashed`
+    child = ("import os, signal, sys\nif not os.path.exists('again'):\n    open('again', 'w').close()\n"
+             "    os.kill(os.getpid(), signal.SIGKILL)\n"
+             "open(sys.argv[1], 'a').write('12:00:00 INFO step 1/5 | loss 3.0\\n')\n")
+    config = tmp_path / "config.yaml"
+    config.write_text("train: {}\n")
+    policy = dict(runs_mod.restart_policy(1), backoff_s=0.05)
+    hook = [sys.executable, "-S", "-c", ship.LOADER, ship.packed("runs"), "ended",
+            json.dumps({"runs": str(runs), "name": "w", "restart": policy})]
+    started = call("launch", runs=str(runs), name="w", config=str(config),
+                   argv=[sys.executable, "-c", child, str(runs / "w" / "train.log")], required=[],
+                   preflight=None, manifest="", settle=0, launch="{}", env="", cwd=str(tmp_path), hook=hook)
+    verdict = container_runs.wait({"runs": str(runs), "name": "w", "offset": started["log_offset"],
+                                   "timeout": 60})
+    assert (verdict["outcome"], verdict.get("line")) == ("step", "12:00:00 INFO step 1/5 | loss 3.0"), verdict
+    lines = [json.loads(x)["line"] for x in capsys.readouterr().out.splitlines()]
+    assert any(line.startswith("dflash-ops: restart ") for line in lines), lines
+    ended(runs, "w")
 
 
 def test_restarts_stop_at_max_restarts_in_a_row(runs, tmp_path):
@@ -130,9 +152,10 @@ def test_a_stopped_run_is_never_restarted(runs, tmp_path):
     stopped = call("stop", runs=str(runs), name="r1", grace=5)
     assert stopped["outcome"] == "term", stopped
     answer = ended(runs)
+    # killed by SIGKILL, a transient signal, but a stop was requested: never restarted
     segments = [(s["kind"], s["exit"], s["stopped"]) for s in answer["segments"]]
-    assert segments == [("launch", "signal 15", True)]
-    assert history._exit(answer["segments"][0]) == "signal TERM (stopped)"
+    assert segments == [("launch", "signal 9", True)]
+    assert history._exit(answer["segments"][0]) == "signal KILL (stopped)"
 
 
 def test_the_current_segment_and_a_segment_its_wrapper_could_not_close(runs, tmp_path):

@@ -370,20 +370,20 @@ def list_runs(t, json=False, stall_after=600, pin=None, unpin=None, history=None
     `pinned` file in its directory), --unpin NAME removes the mark; the list follows. --history NAME
     shows one run's segments instead (segments.jsonl in its directory).
     """
-    from dflash_ops import history
+    from dflash_ops import history as history_mod
 
     if pin and unpin:
         raise UsageError("give --pin or --unpin, not both")
     if history:
         if pin or unpin:
             raise UsageError("give --history alone, without --pin or --unpin")
-        found = history.segments(t, history, float(stall_after))
-        return None if found is None else history.Segments(found, t.container.label, as_json=bool(json))
+        found = history_mod.segments(t, history, float(stall_after))
+        return None if found is None else history_mod.Segments(found, t.container.label, as_json=bool(json))
     if pin or unpin:
-        answer = history.pin(t, pin or unpin, pinned=bool(pin))
+        answer = history_mod.pin(t, pin or unpin, pinned=bool(pin))
     else:
-        answer = history.list_runs(t, float(stall_after))
-    return None if answer is None else history.Listing(answer, t.container.label, as_json=bool(json))
+        answer = history_mod.list_runs(t, float(stall_after))
+    return None if answer is None else history_mod.Listing(answer, t.container.label, as_json=bool(json))
 
 
 @op_task(help={"keep": "keep this many of the newest runs (at least 1; the alive run is always kept)",

@@ -72,7 +72,7 @@ def no_such_run(name, label: str, names) -> NoSuchRun:
 
 # --- how a run ended ---------------------------------------------------------------------------------
 
-WRAPPER_LINE = re.compile(r"^dflash-ops: (launch |resume |restart |not restarting |training process \d+ ended"
+WRAPPER_LINE = re.compile(r"^dflash-ops: (launch |restart |not restarting |training process \d+ ended"
                           r"|.*: restart \d+ of \d+ in )")
 ERROR_LINE = re.compile(r"error|exception|killed|fatal|denied|no space|not found", re.I)
 QUIET_LINE = re.compile(r"^\S+ (?:INFO|DEBUG) ")  # the training script's own informational lines

@@ -417,13 +417,15 @@ def _size(path):
 
 
 def open_segment(directory, kind, name, **extra):
-    """A new segment: its `dflash-ops: <kind> <time> of run <name>` line in train.log and its start
-    in segments.jsonl. Returns train.log's size before that line (where the segment's log starts)."""
+    """A new segment: its `dflash-ops: launch|restart <time> of run <name>` line in train.log (a
+    resume is a launch there, as it always was) and its start in segments.jsonl. Returns train.log's
+    size before that line (where the segment's log starts)."""
     previous = read_segments(directory)
     now = int(time.time())
     with open(os.path.join(directory, "train.log"), "ab") as f:
         offset = f.tell()
-        f.write((f"dflash-ops: {kind} {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(now))} of "
+        word = "restart" if kind == "restart" else "launch"
+        f.write((f"dflash-ops: {word} {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(now))} of "
                  f"run {name}\n").encode())
     _append(directory, dict(extra, n=(previous[-1]["n"] + 1) if previous else 1, kind=kind, start=now,
                             log_offset=offset, from_step=_latest_step(directory),

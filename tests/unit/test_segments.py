@@ -212,3 +212,14 @@ def test_history_rows_say_what_each_segment_was():
     assert answer["total_elapsed_s"] == 300 + 90 + 400
     assert history.describe_segments(answer, "pve1/200").splitlines()[-1] == (
         "total elapsed: 13m10s in 3 segment(s)")
+
+
+def test_the_wrappers_restart_notes_are_never_a_runs_last_error():
+    lines = ["12:00:00 ERROR NCCL error: unhandled system error",
+             "dflash-ops: training process 12 ended: exit 1",
+             "dflash-ops: a transient error in its log (12:00:00 ERROR NCCL error): restart 1 of 1 in 5 s, "
+             "from the latest checkpoint",
+             "dflash-ops: restart 2026-12-03T20:07:15Z of run r1",
+             "dflash-ops: not restarting run r1: the training process was killed by signal 9 (SIGKILL); "
+             "its 1 automatic restart(s) of --max-restarts 1 are used"]
+    assert runs_mod.last_error_line(lines) == lines[0]

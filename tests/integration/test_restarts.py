@@ -3,9 +3,10 @@ relaunches a SIGKILLed trainer from its checkpoint and the run finishes, `runs -
 segment, a stopped run is never restarted, and `metrics` shows a resumed run's steps once."""
 
 import json
+import subprocess
 
 import pytest
-from training_runs import LONG, QUICK, deployed  # noqa: F401 (deployed: the module's container)
+from training_runs import LONG, REPO, deployed  # noqa: F401 (deployed: the module's container)
 
 pytestmark = pytest.mark.integration
 
@@ -41,8 +42,20 @@ def test_a_run_with_max_restarts_survives_a_sigkill_from_its_checkpoint_and_fini
     assert "  changed: --max-restarts: 0 -> 2" in more.stdout
     pid = frozen(deployed, "requeue")  # still starting: no step of this segment yet
     assert deployed.container("test", "-e", "/root/runs/requeue/exit_code", check=False).returncode != 0
-    deployed.container("kill", "-KILL", pid)
-    follow_to_the_end(deployed, "requeue")
+    watch = subprocess.Popen(deployed.invoke_argv("watch", "--run", "requeue", "--every", "1"), cwd=REPO,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = watch.stdout.readline()  # its first poll: this segment, before the crash
+        assert " watching: run requeue on pve1/200 running" in first, first
+        deployed.container("kill", "-KILL", pid)
+        follow_to_the_end(deployed, "requeue")
+        watched = first + watch.communicate(timeout=240)[0]
+    finally:
+        watch.kill()
+    assert watch.returncode == 0, watched
+    assert (" restarted: run requeue on pve1/200 restarted automatically (restart 1, segment 3) after the "
+            "training process ended: killed by signal 9 (SIGKILL); resuming from step 2") in watched, watched
+    assert watched.splitlines()[-1].split()[1] == "finished:", watched
 
     st = deployed.status("requeue")
     assert (st["state"], st["step"], st["spec"]["max_restarts"]) == ("finished", 8, 2)

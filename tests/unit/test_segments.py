@@ -47,18 +47,22 @@ sys.exit(int(sys.argv[4]))
 """
 
 
-def launch(runs, tmp_path, name="r1", kills=1, code=0, max_restarts=2, then="exit", **extra):
+def launch_code(runs, tmp_path, name, argv, max_restarts, settle=0.3):
+    """The launch verb of training argv `argv` with the wrapper's `ended` hook (ship.argv's shape),
+    restarts after 0.05 s."""
     config = tmp_path / "config.yaml"
     config.write_text("train: {}\n")
     policy = dict(runs_mod.restart_policy(max_restarts), backoff_s=0.05)
     hook = [sys.executable, "-S", "-c", ship.LOADER, ship.packed("runs"), "ended",
             json.dumps({"runs": str(runs), "name": name, "restart": policy})]
+    return call("launch", runs=str(runs), name=name, config=str(config), argv=argv, required=[sys.executable],
+                preflight=None, manifest=str(tmp_path / "none.json"), settle=settle, launch="{}", env="A=1",
+                cwd=str(tmp_path), hook=hook)
+
+
+def launch(runs, tmp_path, name="r1", kills=1, code=0, max_restarts=2, then="exit"):
     argv = [sys.executable, "-c", CHILD, str(tmp_path), str(runs / name), str(kills), str(code), then]
-    payload = dict(runs=str(runs), name=name, config=str(config), argv=argv, required=[sys.executable],
-                   preflight=None, manifest=str(tmp_path / "none.json"), settle=0.3, launch="{}", env="A=1",
-                   cwd=str(tmp_path), hook=hook)
-    payload.update(extra)
-    return call("launch", **payload)
+    return launch_code(runs, tmp_path, name, argv, max_restarts)
 
 
 def ended(runs, name="r1"):
@@ -89,14 +93,8 @@ def test_the_launchs_wait_goes_on_through_a_restart_to_the_first_step(runs, tmp_
     child = ("import os, signal, sys\nif not os.path.exists('again'):\n    open('again', 'w').close()\n"
              "    os.kill(os.getpid(), signal.SIGKILL)\n"
              "open(sys.argv[1], 'a').write('12:00:00 INFO step 1/5 | loss 3.0\\n')\n")
-    config = tmp_path / "config.yaml"
-    config.write_text("train: {}\n")
-    policy = dict(runs_mod.restart_policy(1), backoff_s=0.05)
-    hook = [sys.executable, "-S", "-c", ship.LOADER, ship.packed("runs"), "ended",
-            json.dumps({"runs": str(runs), "name": "w", "restart": policy})]
-    started = call("launch", runs=str(runs), name="w", config=str(config),
-                   argv=[sys.executable, "-c", child, str(runs / "w" / "train.log")], required=[],
-                   preflight=None, manifest="", settle=0, launch="{}", env="", cwd=str(tmp_path), hook=hook)
+    argv = [sys.executable, "-c", child, str(runs / "w" / "train.log")]
+    started = launch_code(runs, tmp_path, "w", argv, 1, settle=0)
     verdict = container_runs.wait({"runs": str(runs), "name": "w", "offset": started["log_offset"],
                                    "timeout": 60})
     assert (verdict["outcome"], verdict.get("line")) == ("step", "12:00:00 INFO step 1/5 | loss 3.0"), verdict
@@ -129,20 +127,11 @@ def test_a_transient_error_in_the_segments_log_is_restarted(runs, tmp_path):
     child = ("import os, sys\nfirst = not os.path.exists('again')\nopen('again', 'w').close()\n"
              "print('12:00:01 ERROR NCCL error: remote process exited', file=sys.stderr) if first else None\n"
              "sys.exit(1 if first else 0)\n")
-    config = tmp_path / "config.yaml"
-    config.write_text("train: {}\n")
-    policy = dict(runs_mod.restart_policy(1), backoff_s=0.05)
-    hook = [sys.executable, "-S", "-c", ship.LOADER, ship.packed("runs"), "ended",
-            json.dumps({"runs": str(runs), "name": "r1", "restart": policy})]
-    call("launch", runs=str(runs), name="r1", config=str(config), argv=[sys.executable, "-c", child],
-         required=[], preflight=None, manifest="", settle=0.3, launch="{}", env="", cwd=str(tmp_path),
-         hook=hook)
+    launch_code(runs, tmp_path, "r1", [sys.executable, "-c", child], 1)
     answer = ended(runs)
     assert [(s["kind"], s["exit"]) for s in answer["segments"]] == [("launch", "1"), ("restart", "0")]
     # the next launch of that run is a resume; with no NCCL line of its own, exit 1 ends it
-    call("launch", runs=str(runs), name="r1", config=str(config),
-         argv=[sys.executable, "-c", "import sys; sys.exit(1)"], required=[], preflight=None, manifest="",
-         settle=0.3, launch="{}", env="", cwd=str(tmp_path), hook=hook)
+    launch_code(runs, tmp_path, "r1", [sys.executable, "-c", "import sys; sys.exit(1)"], 1)
     answer = ended(runs)
     assert [(s["kind"], s["exit"]) for s in answer["segments"]][2:] == [("resume", "1")]
 

@@ -192,9 +192,14 @@ def warmup(t, config=None, set=None, ct=None, inventory=None, dry_run=False):
     launch.warmup(t, config, set or ())
 
 
-def _train_nodes(targets, run=None, config=None, set=None, max_steps=None, rdzv_port=29400, **_):
+def _train_nodes(targets, run=None, config=None, set=None, max_steps=None, rdzv_port=29400, max_restarts=None,
+                 **_):
     """Several containers: one run over all of them (multi-node training)."""
     from dflash_ops import launch
+
+    if max_restarts:  # each node's wrapper would restart its own process out of the rendezvous
+        raise UsageError("--max-restarts is for a run in one container, not a multi-node run (--group or "
+                         "several --ct)")
 
     return launch.launch_group(targets, run, config, set or (), max_steps, port=rdzv_port)
 

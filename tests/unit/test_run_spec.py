@@ -128,3 +128,10 @@ def test_max_restarts_is_saved_kept_by_a_resume_and_changed_by_a_new_value(ct):
     assert (changed.max_restarts, changed.changes) == (0, ["--max-restarts: 2 -> 0"])
     with pytest.raises(UsageError, match="--max-restarts -1: give 0..100"):
         launch.Spec(None, [], None, max_restarts=launch.check_max_restarts(-1))
+
+
+def test_a_multi_node_run_refuses_max_restarts():
+    import tasks
+
+    with pytest.raises(UsageError, match="--max-restarts is for a run in one container, not a multi-node"):
+        tasks._train_nodes([], run="r1", max_restarts=2)

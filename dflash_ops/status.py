@@ -175,6 +175,8 @@ def parse_status(text: str, where: str = "status", missing_ok: bool = True) -> R
     now = _int(facts_.get("now"))
     _apply_checkpoint(st, facts_.get("checkpoint"), now)
     started, ended = _int(file["started"]), _int(file["ended"])
+    st.segment = parse_segment(facts_.get("segment"))
+    started = (st.segment or {}).get("start") or started  # a restart starts a segment; `started` does not
     st.segment_started = started
     st.pid = _int(file["pid"])
     st.exit_code = file["exit_code"]
@@ -186,7 +188,6 @@ def parse_status(text: str, where: str = "status", missing_ok: bool = True) -> R
     st.last_eval = _last_eval(facts_.get("eval"))
     st.data_warnings = _data_warnings(facts_.get("data"))
     st.spec = _spec(facts_.get("spec"))
-    st.segment = parse_segment(facts_.get("segment"))
     st.findings = [{"key": s.key, "title": s.title, "runbook": s.runbook, "line": line}
                    for s, line in runs.scan(logs)]
     free = _int(facts_.get("free"))

@@ -159,7 +159,10 @@ def status(args):
     stall_after = float(args.get("stall_after", 600))
     state = state_of_run(runs, name, path, now, stall_after)
     log, metrics = os.path.join(path, "train.log"), os.path.join(path, "metrics.jsonl")
-    segment = segment_start(log)  # the current segment: the last launch or resume
+    # the current segment: its record (a launch, resume or automatic restart); a run launched before
+    # segments.jsonl existed: its last launch line
+    current = current_segment(path)
+    segment = current["log_offset"] if current and current["log_offset"] is not None else segment_start(log)
     out.update(exists=True, alive=state["alive"], state=state["state"], detail=state["detail"],
                idle_s=state["idle_s"], files=state["files"], free=free_bytes(path),
                metrics=tail_lines(metrics, int(args.get("metric_lines", 200)), cap=METRIC_LINE_CAP),
@@ -167,7 +170,7 @@ def status(args):
                log=tail_lines(log, int(args.get("log_lines", 40)), since=segment))
     out["data"] = read_text(os.path.join(path, "data.json"), 4000)
     out["spec"] = read_spec(path)
-    out["segment"] = current_segment(path)
+    out["segment"] = current
     latest = os.path.join(path, "checkpoints", "latest")
     text = read_text(latest, 100)
     if text is not None:

@@ -8,7 +8,7 @@ import sys
 import pytest
 from waiting import wait_for
 
-from dflash_ops import history
+from dflash_ops import history, status
 from dflash_ops import runs as runs_mod
 from dflash_ops.remote import history as container_history
 from dflash_ops.remote import prelude, ship
@@ -130,6 +130,14 @@ def test_a_transient_error_in_the_segments_log_is_restarted(runs, tmp_path):
     launch_code(runs, tmp_path, "r1", [sys.executable, "-c", child], 1)
     answer = ended(runs)
     assert [(s["kind"], s["exit"]) for s in answer["segments"]] == [("launch", "1"), ("restart", "0")]
+    # status judges the restart's segment: the NCCL error that caused it is not among its lines
+    facts = call("status", runs=str(runs), name="r1")
+    assert facts["segment"]["kind"] == "restart"
+    assert facts["segment_offset"] == facts["segment"]["log_offset"]
+    assert facts["log"][0].startswith("dflash-ops: restart ") and not [x for x in facts["log"] if "NCCL" in x]
+    st = status.parse_status(json.dumps({"ok": facts}) + "\n")
+    assert (st.state, st.findings, st.segment["n"], st.segment_started) == (
+        "finished", [], 2, facts["segment"]["start"])
     # the next launch of that run is a resume; with no NCCL line of its own, exit 1 ends it
     launch_code(runs, tmp_path, "r1", [sys.executable, "-c", "import sys; sys.exit(1)"], 1)
     answer = ended(runs)

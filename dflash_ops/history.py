@@ -49,16 +49,16 @@ def payload(ct, **extra) -> dict:
     return {"runs": ct.paths.runs, **extra}
 
 
-def _ask(t, verb: str, args: dict) -> dict | None:
-    ct = t.container
+def _ask(t, verb: str, args: dict, what: str | None = None, check=None) -> dict | None:
+    """One verb of the history helper, its answer checked (`checked`, or `check`); None in a dry run."""
+    what = what or ("runs" if verb == "list" else verb)
     try:
-        answer = ship.call(t, "history", verb, args, timeout=HISTORY_TIMEOUT_S,
-                           what="runs" if verb == "list" else verb)
+        answer = ship.call(t, "history", verb, args, timeout=HISTORY_TIMEOUT_S, what=what)
     except ship.Refusal as refusal:
         ship.raise_common(refusal)
     if t.dry_run:
         return None
-    return checked(answer, f"{ct.label}: {'runs' if verb == 'list' else verb}")
+    return (check or checked)(answer, f"{t.container.label}: {what}")
 
 
 def require_run(t, run: str | None) -> str | None:
@@ -276,18 +276,8 @@ def segments(t, run: str, stall_after: float = 600) -> dict | None:
     """Run `run`'s segments, oldest first, checked (`checked_segments`); None in a dry run."""
     from .runs import validate_run_name
 
-    return _ask_segments(t, payload(t.container, run=validate_run_name(run), stall_after=stall_after))
-
-
-def _ask_segments(t, args: dict) -> dict | None:
-    ct = t.container
-    try:
-        answer = ship.call(t, "history", "segments", args, timeout=HISTORY_TIMEOUT_S, what="runs --history")
-    except ship.Refusal as refusal:
-        ship.raise_common(refusal)
-    if t.dry_run:
-        return None
-    return checked_segments(answer, f"{ct.label}: runs --history")
+    return _ask(t, "segments", payload(t.container, run=validate_run_name(run), stall_after=stall_after),
+                what="runs --history", check=checked_segments)
 
 
 def checked_segments(answer, where: str) -> dict:

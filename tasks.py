@@ -192,9 +192,14 @@ def warmup(t, config=None, set=None, ct=None, inventory=None, dry_run=False):
     launch.warmup(t, config, set or ())
 
 
-def _train_nodes(targets, run=None, config=None, set=None, max_steps=None, rdzv_port=29400, **_):
+def _train_nodes(targets, run=None, config=None, set=None, max_steps=None, rdzv_port=29400, max_restarts=None,
+                 **_):
     """Several containers: one run over all of them (multi-node training)."""
     from dflash_ops import launch
+
+    if max_restarts:  # each node's wrapper would restart its own process out of the rendezvous
+        raise UsageError("--max-restarts is for a run in one container, not a multi-node run (--group or "
+                         "several --ct)")
 
     return launch.launch_group(targets, run, config, set or (), max_steps, port=rdzv_port)
 
@@ -211,12 +216,16 @@ def _train_nodes(targets, run=None, config=None, set=None, max_steps=None, rdzv_
             "train.log, written for the first step of every launch, resumes included), showing the "
             "log meanwhile (Ctrl-C ends the wait only)",
     "no_wait": "return once the process is detached and alive, without waiting for its first step",
+    "max_restarts": "relaunch the run from its latest checkpoint up to N times in a row after a transient "
+                    "crash (killed by SIGKILL/SIGSEGV/SIGBUS, an NCCL or transient CUDA error), with "
+                    "backoff (5 s, doubling); never after a stop, a clean finish or another error. "
+                    "Saved in the run's spec: a resume keeps it",
     "confirm_change": "let an existing run with checkpoints go on with other data or another target "
                       "(its tokenizer too); without it that is refused, as it makes a different run",
     "rdzv_port": "multi-node (--group or several --ct): the rendezvous port on the first container's node"},
          fan_out=_train_nodes)
 def train(t, run=None, config=None, set=None, max_steps=None, ct=None, group=None, inventory=None,
-          dry_run=False, wait=900, no_wait=False, rdzv_port=29400, confirm_change=False):
+          dry_run=False, wait=900, no_wait=False, rdzv_port=29400, confirm_change=False, max_restarts=None):
     """Start a detached training run in the container and wait for its first step; refused while another run is alive.
 
     First a preflight in the container (the config, the target, the data, the devices, free space,
@@ -229,7 +238,9 @@ def train(t, run=None, config=None, set=None, max_steps=None, ct=None, group=Non
     `train --run NAME` on an existing run resumes from that spec: new --set values (and --config,
     --max-steps) apply on top, are shown as changes before the launch, and are recorded; other data
     or another target for a run with checkpoints is refused unless --confirm-change; --max-steps N
-    alone continues a finished run. One run at a time per container, enforced by a lock in the
+    alone continues a finished run. --max-restarts N: the run's wrapper in the container relaunches
+    it after a transient crash (each restart is a row of `invoke runs --history NAME` and an event
+    of `invoke watch`). One run at a time per container, enforced by a lock in the
     container, so two launches at the same moment start one. `train` then shows the log until the
     first step and returns (multi-node: without waiting); a run that dies meanwhile is reported
     `crashed` with its last error line and the runbook (non-zero exit). Ctrl-C ends the wait, never
@@ -244,7 +255,8 @@ def train(t, run=None, config=None, set=None, max_steps=None, ct=None, group=Non
 
     if float(wait) <= 0:
         raise UsageError(f"--wait {wait}: must be > 0 seconds (or give --no-wait)")
-    launched = launch.launch(t, run, config, set or (), max_steps, confirm_change=confirm_change)
+    launched = launch.launch(t, run, config, set or (), max_steps, confirm_change=confirm_change,
+                             max_restarts=max_restarts)
     if not (dry_run or no_wait):  # the wait only watches: a dry run prints the commands that act
         launched.verdict = launch.wait_until_going(t, launched, float(wait))
     return launched
@@ -350,23 +362,33 @@ def stop(t, run=None, grace=30, ct=None, group=None, inventory=None, dry_run=Fal
 @op_task(name="runs", help={"json": "print the container's answer as JSON for scripts",
                              "stall_after": "call an alive run stalled after this many silent seconds",
                              "pin": "pin this run: `prune` never removes it or its checkpoints",
-                             "unpin": "unpin this run (prune treats it as any other)"})
-def list_runs(t, json=False, stall_after=600, pin=None, unpin=None, ct=None, inventory=None, dry_run=False):
+                             "unpin": "unpin this run (prune treats it as any other)",
+                             "history": "this run's segments instead, like sacct: each launch, resume "
+                                        "and automatic restart with its start, end, elapsed time, exit "
+                                        "code or signal and steps, and the total elapsed"})
+def list_runs(t, json=False, stall_after=600, pin=None, unpin=None, history=None, ct=None, inventory=None,
+              dry_run=False):
     """List every run in the container: state, steps, last loss, acceptance, when, size, latest checkpoint.
 
     One round trip: a helper in the container reads every run directory under paths.runs (newest
     first) and sums its size on disk. --pin NAME marks a run that `prune` never touches (a
-    `pinned` file in its directory), --unpin NAME removes the mark; the list follows.
+    `pinned` file in its directory), --unpin NAME removes the mark; the list follows. --history NAME
+    shows one run's segments instead (segments.jsonl in its directory).
     """
-    from dflash_ops import history
+    from dflash_ops import history as history_mod
 
     if pin and unpin:
         raise UsageError("give --pin or --unpin, not both")
+    if history:
+        if pin or unpin:
+            raise UsageError("give --history alone, without --pin or --unpin")
+        found = history_mod.segments(t, history, float(stall_after))
+        return None if found is None else history_mod.Segments(found, t.container.label, as_json=bool(json))
     if pin or unpin:
-        answer = history.pin(t, pin or unpin, pinned=bool(pin))
+        answer = history_mod.pin(t, pin or unpin, pinned=bool(pin))
     else:
-        answer = history.list_runs(t, float(stall_after))
-    return None if answer is None else history.Listing(answer, t.container.label, as_json=bool(json))
+        answer = history_mod.list_runs(t, float(stall_after))
+    return None if answer is None else history_mod.Listing(answer, t.container.label, as_json=bool(json))
 
 
 @op_task(help={"keep": "keep this many of the newest runs (at least 1; the alive run is always kept)",

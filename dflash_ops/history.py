@@ -49,16 +49,16 @@ def payload(ct, **extra) -> dict:
     return {"runs": ct.paths.runs, **extra}
 
 
-def _ask(t, verb: str, args: dict) -> dict | None:
-    ct = t.container
+def _ask(t, verb: str, args: dict, what: str | None = None, check=None) -> dict | None:
+    """One verb of the history helper, its answer checked (`checked`, or `check`); None in a dry run."""
+    what = what or ("runs" if verb == "list" else verb)
     try:
-        answer = ship.call(t, "history", verb, args, timeout=HISTORY_TIMEOUT_S,
-                           what="runs" if verb == "list" else verb)
+        answer = ship.call(t, "history", verb, args, timeout=HISTORY_TIMEOUT_S, what=what)
     except ship.Refusal as refusal:
         ship.raise_common(refusal)
     if t.dry_run:
         return None
-    return checked(answer, f"{ct.label}: {'runs' if verb == 'list' else verb}")
+    return (check or checked)(answer, f"{t.container.label}: {what}")
 
 
 def require_run(t, run: str | None) -> str | None:
@@ -250,6 +250,118 @@ class Pruned:
 
     def row(self) -> str:
         return self.describe().splitlines()[0]
+
+
+# --- runs --history: one run's segments, like sacct's steps -----------------------------------------
+# Each launch, resume or automatic restart of a run is a segment (remote/runs.py writes them into
+# the run's segments.jsonl, prelude.read_segments reads them): when it started and ended, how its
+# training process ended (exit code or signal), and the steps it covered.
+
+SEGMENT_COLUMNS = ("segment", "kind", "start UTC", "end UTC", "elapsed", "exit", "steps")
+
+
+def parse_segment(value) -> dict | None:
+    """A segment of prelude.read_segments (the container's data), each field of its type or None."""
+    if not isinstance(value, dict) or value.get("kind") not in ("launch", "resume", "restart"):
+        return None
+    number = {k: _int(value.get(k))
+              for k in ("n", "start", "log_offset", "from_step", "end", "last_step", "restart")}
+    if number["n"] is None:
+        return None
+    return {**number, "kind": value["kind"], "exit": _str(value.get("exit"), 40),
+            "after": _str(value.get("after"), 40), "stopped": value.get("stopped") is True}
+
+
+def segments(t, run: str, stall_after: float = 600) -> dict | None:
+    """Run `run`'s segments, oldest first, checked (`checked_segments`); None in a dry run."""
+    from .runs import validate_run_name
+
+    return _ask(t, "segments", payload(t.container, run=validate_run_name(run), stall_after=stall_after),
+                what="runs --history", check=checked_segments)
+
+
+def checked_segments(answer, where: str) -> dict:
+    """The segments verb's answer, every field of its type (status.segment: each segment's), with each
+    segment's elapsed seconds (a running one's: until `now`) and the total. Pure."""
+    if not isinstance(answer, dict) or not isinstance(answer.get("segments"), list):
+        raise ship.BadAnswer(f"{where}: the answer's field 'segments' is not a list of segments")
+    now, alive = _int(answer.get("now")), answer.get("alive") is True
+    found = [s for s in map(parse_segment, answer["segments"][:1000]) if s is not None]
+    for i, s in enumerate(found):
+        running = alive and i == len(found) - 1 and s["end"] is None
+        end = now if running else s["end"]
+        s["running"] = running
+        s["elapsed_s"] = max(0, end - s["start"]) if end is not None and s["start"] is not None else None
+    return {"run": _str(answer.get("run")) or "?", "now": now, "alive": alive,
+            "state": answer.get("state") if answer.get("state") in STATES else "?",
+            "detail": _str(answer.get("detail"), 300) or "", "segments": found,
+            "total_elapsed_s": sum(s["elapsed_s"] or 0 for s in found)}
+
+
+def _exit(s: dict) -> str:
+    """`0`, `exit 3`, `signal KILL`; `running`; `stopped` after a stop on request."""
+    if s.get("running"):
+        return "running"
+    code = s.get("exit")
+    if code is None:
+        return "unrecorded" if s.get("end") is None else "-"
+    if code.startswith("signal "):
+        import signal
+
+        num = code[7:]
+        try:
+            shown = "signal " + signal.Signals(int(num)).name.removeprefix("SIG")
+        except ValueError:
+            shown = code
+    else:
+        shown = code if code == "0" else f"exit {code}"
+    return shown + (" (stopped)" if s.get("stopped") else "")
+
+
+def _steps(s: dict) -> str:
+    first, last = (s.get("from_step") or 0) + 1, s.get("last_step")
+    if last is None or last < first:
+        return f"from {first - 1} (none logged)"
+    return f"{first}-{last}"
+
+
+def segment_rows(answer: dict) -> list[tuple]:
+    """One row of SEGMENT_COLUMNS per segment (text, not markup)."""
+    return [(str(s["n"]), s["kind"] + (f" {s['restart']}" if s.get("restart") else ""), _when(s["start"]),
+             "-" if s.get("running") else _when(s["end"]), _duration(s["elapsed_s"]), _exit(s), _steps(s))
+            for s in answer["segments"]]
+
+
+def describe_segments(answer: dict, label: str) -> str:
+    """`runs --history NAME` as text: a header, one row per segment, the total elapsed."""
+    rows = [SEGMENT_COLUMNS, *segment_rows(answer)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(SEGMENT_COLUMNS))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    state = answer["state"] + (f" ({answer['detail']})" if answer["detail"] else "")
+    head = f"run {visible(answer['run'])} on {label}: {state}"
+    if not answer["segments"]:
+        return f"{head}\n(no segments recorded: the run was launched before segments.jsonl existed)"
+    total = _duration(answer["total_elapsed_s"])
+    return "\n".join([head, *(visible(line) for line in lines),
+                      f"total elapsed: {total} in {len(answer['segments'])} segment(s)"])
+
+
+@dataclass
+class Segments:
+    """`invoke runs --history NAME`: the segments as text (or the answer as JSON)."""
+
+    answer: dict
+    label: str
+    as_json: bool = False
+
+    def describe(self) -> str:
+        if self.as_json:
+            return json.dumps(self.answer, indent=2)
+        return describe_segments(self.answer, self.label)
+
+    def row(self) -> str:
+        return (f"run {visible(self.answer['run'])}: {len(self.answer['segments'])} segment(s), "
+                f"{_duration(self.answer['total_elapsed_s'])}")
 
 
 # --- clean-cache: the compile caches the inventory names ---------------------------------------------

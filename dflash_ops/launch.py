@@ -13,6 +13,7 @@ A run lives in `<paths.runs>/<name>/`:
     run.sh           the wrapper that ran it; pgid: its pid (= process group); pid: the training process
     started, ended   epoch seconds; exit_code: `0`, `N` or `signal N`, written when the process ends
     stopped          written by `invoke stop` (requested, then `term` or `kill` + time)
+    segments.jsonl   each launch, resume and automatic restart: start, end, exit, steps (`runs --history`)
 
 One run at a time per container: the run's processes hold an exclusive `flock` on
 `<paths.runs>/.lock` for their whole life (the launch takes it and hands it to the wrapper), so "a
@@ -42,7 +43,16 @@ from .errors import PreflightFailed, RemoteCommandFailed, RunStateError, UsageEr
 from .inventory import SECRET_NAME, Container
 from .payload import config_path, inventory_sets, payload_argv, validate_sets
 from .remote import ship
-from .runs import default_run_name, describe_exit, run_dir, shown_name, validate_run_name, why_it_failed
+from .runs import (
+    check_max_restarts,
+    default_run_name,
+    describe_exit,
+    restart_policy,
+    run_dir,
+    shown_name,
+    validate_run_name,
+    why_it_failed,
+)
 from .target import Target
 
 LAUNCH_TIMEOUT_S = 600.0  # the launch verb: the preflight (up to 300 s), the settle, the answer
@@ -103,12 +113,14 @@ class Launch:
 def launch_argv(ct: Container, name: str, config: str | None = None, sets: Sequence[str] = (),
                 max_steps: int | None = None, settle: float = LAUNCH_SETTLE_S,
                 now: _dt.datetime | None = None, launcher: Sequence[str] = (),
-                allow_change: bool = False) -> tuple[list[str], list[str]]:
+                allow_change: bool = False, max_restarts: int | None = None) -> tuple[list[str], list[str]]:
     """(container argv of the `launch` verb, training argv). Pure.
 
     `launcher`: a script and its options that the python runs instead, the training script's
     argv after them (multi-node training's torchrun: launcher_args). `allow_change`: the preflight
-    lets a run with checkpoints resume on other data or another target."""
+    lets a run with checkpoints resume on other data or another target. `max_restarts`: how many
+    times in a row the run's wrapper relaunches it after a transient crash (runs.restart_policy;
+    the wrapper calls the `ended` verb, `hook`, whenever the training process ends)."""
     directory = run_dir(ct, name)
     train = payload_argv(ct, TRAIN_SCRIPT, config, sets, run_dir=directory, max_steps=max_steps)
     preflight = [ct.venv_python, f"{ct.paths.code}/{PREFLIGHT_SCRIPT}", *train[2:]]
@@ -118,7 +130,7 @@ def launch_argv(ct: Container, name: str, config: str | None = None, sets: Seque
     record = {
         "run": name, "container": ct.ctid, "host": ct.host.name, "argv": train,
         "config": config_path(ct, config), "sets": list(sets), "inventory_sets": inventory_sets(ct),
-        "max_steps": max_steps, "devices": configured_devices(ct),
+        "max_steps": max_steps, "max_restarts": max_restarts, "devices": configured_devices(ct),
         "launched_at": (now or _dt.datetime.now(_dt.timezone.utc)).isoformat(timespec="seconds"),
         "launched_by": f"{getpass.getuser()}@{socket.gethostname()}",
     }
@@ -128,6 +140,8 @@ def launch_argv(ct: Container, name: str, config: str | None = None, sets: Seque
         "manifest": f"{ct.paths.code}/{MANIFEST}", "settle": settle, "cwd": ct.paths.code,
         "launch": commands.mask(json.dumps(record, indent=1), ct.secret_values()),
         "env": masked_env_text(ct, ct.run_env()),
+        "hook": ship.argv(ct, "runs", "ended", {"runs": ct.paths.runs, "name": name,
+                                                "restart": restart_policy(max_restarts)}),
     }
     return ship.argv(ct, "runs", "launch", payload), train
 
@@ -145,10 +159,11 @@ class Spec:
     max_steps: int | None
     changes: list = field(default_factory=list)  # `what: before -> after` lines, for the user
     saved: bool = False         # the run had a spec: this launch resumes it
+    max_restarts: int | None = None  # automatic restarts after a transient crash (None: none)
 
 
 def merge_spec(ct: Container, saved, config: str | None, sets: Sequence[str], max_steps: int | None,
-               code_now: str | None = None) -> Spec:
+               code_now: str | None = None, max_restarts: int | None = None) -> Spec:
     """A run's saved spec (its launch.json, read in the container: untrusted) + this launch's
     --config, --set and --max-steps. Pure.
 
@@ -156,7 +171,7 @@ def merge_spec(ct: Container, saved, config: str | None, sets: Sequence[str], ma
     given. `changes` also names what the inventory or a deploy changed since (devices, its --set
     values, the code version)."""
     if not isinstance(saved, dict):
-        return Spec(config, list(sets), max_steps)
+        return Spec(config, list(sets), max_steps, max_restarts=max_restarts)
     merged: dict = {}
     try:
         for value in validate_sets([s for s in saved.get("sets") or [] if isinstance(s, str)]):
@@ -177,19 +192,26 @@ def merge_spec(ct: Container, saved, config: str | None, sets: Sequence[str], ma
     old_steps = saved.get("max_steps") if isinstance(saved.get("max_steps"), int) else None
     if max_steps is not None and max_steps != old_steps:
         changes.append(f"--max-steps: {old_steps or '(train.max_steps)'} -> {max_steps}")
+    old_restarts = saved.get("max_restarts")
+    if isinstance(old_restarts, bool) or not isinstance(old_restarts, int):
+        old_restarts = None
+    if max_restarts is not None and max_restarts != (old_restarts or 0):
+        changes.append(f"--max-restarts: {old_restarts or 0} -> {max_restarts}")
     for what, before, now in (("devices", saved.get("devices"), configured_devices(ct)),
                               ("inventory --set", saved.get("inventory_sets"), inventory_sets(ct)),
                               ("code", saved.get("code_version"), code_now)):
         if before is not None and now is not None and before != now:
             changes.append(f"{what}: {json.dumps(before)} -> {json.dumps(now)}")
     return Spec(config if config is not None else old_config, [f"{k}={v}" for k, v in merged.items()],
-                max_steps if max_steps is not None else old_steps, changes, saved=True)
+                max_steps if max_steps is not None else old_steps, changes, saved=True,
+                max_restarts=max_restarts if max_restarts is not None else old_restarts)
 
 
 def describe_spec(name: str, spec: Spec) -> str:
     """What the user reads before a resume: the spec it runs, and what changed (printable text)."""
     shown = " ".join([f"--config {spec.config}"] * bool(spec.config) + [f"--set {s}" for s in spec.sets]
-                     + [f"--max-steps {spec.max_steps}"] * (spec.max_steps is not None))
+                     + [f"--max-steps {spec.max_steps}"] * (spec.max_steps is not None)
+                     + [f"--max-restarts {spec.max_restarts}"] * bool(spec.max_restarts))
     lines = [f"run {name}: resuming with its saved spec: {shown or '(the defaults)'}"]
     lines += [f"  changed: {change}" for change in spec.changes] or ["  (nothing changed)"]
     return "\n".join(terminal.visible(line) for line in lines)
@@ -211,7 +233,7 @@ def saved_spec(t, name: str) -> tuple[dict | None, str | None]:
 
 def launch(t, run: str | None = None, config: str | None = None, sets: Sequence[str] = (),
            max_steps: int | None = None, launcher: Sequence[str] = (), confirm_change: bool = False,
-           console=None) -> Launch:
+           console=None, max_restarts: int | None = None) -> Launch:
     """Preflight, then start a detached training run; refuse while another run is alive.
 
     An existing run (`--run NAME`) resumes from its saved spec with this launch's values on top;
@@ -219,15 +241,15 @@ def launch(t, run: str | None = None, config: str | None = None, sets: Sequence[
     another target is refused by the preflight unless `confirm_change`."""
     ct = t.container
     name = validate_run_name(run) if run is not None else default_run_name()
-    spec = Spec(config, validate_sets(sets), max_steps)
+    spec = Spec(config, validate_sets(sets), max_steps, max_restarts=check_max_restarts(max_restarts))
     if run is not None and not t.dry_run:  # a dry run prints the commands that act; this one reads
         saved, code_now = saved_spec(t, name)
-        spec = merge_spec(ct, saved, config, spec.sets, max_steps, code_now)
+        spec = merge_spec(ct, saved, config, spec.sets, max_steps, code_now, spec.max_restarts)
         if spec.saved:
             (console or terminal.console(stderr=False)).print(describe_spec(name, spec), markup=False,
                                                               highlight=False, soft_wrap=True)
     argv, train = launch_argv(ct, name, spec.config, spec.sets, spec.max_steps, launcher=launcher,
-                              allow_change=confirm_change)
+                              allow_change=confirm_change, max_restarts=spec.max_restarts)
     result = t.session.exec(ct, argv, env=ct.run_env(), cwd=ct.paths.code, timeout=LAUNCH_TIMEOUT_S,
                             limit=ship.ANSWER_CAP)
     out = Launch(run=name, run_dir=run_dir(ct, name), argv=train, where=ct.label, ctid=ct.ctid)

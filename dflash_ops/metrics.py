@@ -5,6 +5,8 @@ metrics.jsonl (written by train_dflash.py) holds one JSON object per line, by `k
   eval        step, loss, acceptance_length, slot_accuracy   (teacher-forced, held-out batches)
   checkpoint  step, path
 evals.jsonl (written by eval_dflash.py) holds the dflash_generate evaluations of checkpoints.
+A resumed run appends to metrics.jsonl from its checkpoint's step on: the table and the plot take each
+step's values from the latest segment that logged it (`latest_values`).
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ def parse_metrics(text: str, run: str = "", where: str = "metrics") -> RunMetric
     out = RunMetrics(run or latest[:64])
     left_out = answer.get("metrics_left_out")
     out.left_out = left_out if isinstance(left_out, int) and not isinstance(left_out, bool) else 0
+    logged = []
     for section in ("metrics", "evals"):
         given = answer.get(section)
         for line in given if isinstance(given, list) else []:
@@ -90,15 +93,46 @@ def parse_metrics(text: str, run: str = "", where: str = "metrics") -> RunMetric
             elif section == "evals":
                 out.dflash_evals.append(record)
             else:
-                bucket = {"train": out.train, "eval": out.eval, "checkpoint": out.checkpoints}.get(
-                    record.get("kind", "train"))
-                if bucket is None:
-                    out.skipped += 1
-                else:
-                    bucket.append(record)
+                logged.append(record)
         dropped = answer.get(section + "_dropped")
         out.skipped += dropped if isinstance(dropped, int) and 0 <= dropped < 1 << 40 else 0
+    for record in latest_values(logged):
+        bucket = {"train": out.train, "eval": out.eval, "checkpoint": out.checkpoints}.get(
+            record.get("kind", "train"))
+        if bucket is None:
+            out.skipped += 1
+        else:
+            bucket.append(record)
     return out
+
+
+def latest_values(records: list[dict]) -> list[dict]:
+    """metrics.jsonl's records in file order -> each step's values from the latest segment that logged
+    it. Pure, linear.
+
+    A run resumed from the checkpoint of step 500 after it had reached 700 logs steps 501.. again: a
+    train record whose step is not past the previous train record's starts a new segment there (a
+    rewind), and every earlier record (train, eval, checkpoint) of that step or later is dropped, the
+    abandoned steps 501-700 of the old segment. A record is kept when its step is below every later
+    rewind's; records without a step are kept."""
+    rewinds, last = [], None
+    for i, record in enumerate(records):
+        step = record.get("step")
+        if record.get("kind", "train") == "train" and isinstance(step, int):
+            if last is not None and step <= last:
+                rewinds.append((i, step))
+            last = step
+    if not rewinds:
+        return records
+    kept, below = [], None  # below: the lowest step of a rewind after the record
+    for i in range(len(records) - 1, -1, -1):
+        while rewinds and rewinds[-1][0] > i:
+            step = rewinds.pop()[1]
+            below = step if below is None else min(below, step)
+        step = records[i].get("step")
+        if below is None or not isinstance(step, int) or step < below:
+            kept.append(records[i])
+    return kept[::-1]
 
 
 def fetch(t, run: str | None = None) -> RunMetrics | None:

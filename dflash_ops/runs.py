@@ -72,7 +72,8 @@ def no_such_run(name, label: str, names) -> NoSuchRun:
 
 # --- how a run ended ---------------------------------------------------------------------------------
 
-WRAPPER_LINE = re.compile(r"^dflash-ops: (launch |training process \d+ ended)")
+WRAPPER_LINE = re.compile(r"^dflash-ops: (launch |restart |not restarting |training process \d+ ended"
+                          r"|.*: restart \d+ of \d+ in )")
 ERROR_LINE = re.compile(r"error|exception|killed|fatal|denied|no space|not found", re.I)
 QUIET_LINE = re.compile(r"^\S+ (?:INFO|DEBUG) ")  # the training script's own informational lines
 
@@ -161,3 +162,36 @@ def scan(lines: Iterable[str]) -> list[tuple[Signature, str]]:
 
 def advice(sig: Signature) -> str:
     return f"{sig.title}: read {sig.runbook}"
+
+
+# --- automatic restarts (`train --max-restarts N`) ----------------------------------------------------
+# A crash with one of these signatures is transient: the same run relaunched from its latest checkpoint
+# is expected to go on (as Slurm's requeue or SkyPilot's managed jobs relaunch). The training process
+# killed by one of TRANSIENT_SIGNALS (the OOM killer's and a stop's SIGKILL, a crashed native library's
+# SIGSEGV/SIGBUS), or a failure whose log shows a TRANSIENT_KEYS signature or a TRANSIENT_CUDA line.
+# Anything else is never restarted: a stop on request, a clean finish, a config or preflight error,
+# CUDA out of memory (the same config fails again). The container decides (remote/runs.py `ended`).
+
+TRANSIENT_SIGNALS = ("SIGKILL", "SIGSEGV", "SIGBUS")
+TRANSIENT_KEYS = ("nccl",)
+TRANSIENT_CUDA = (r"CUDA error: unspecified launch failure", r"uncorrectable ECC error",
+                  r"CUDA-capable device\(s\) is/are busy or unavailable", r"\bXid\b")
+MAX_RESTARTS = 100
+
+
+def restart_policy(max_restarts: int | None) -> dict:
+    """The `ended` verb's policy for a launch: {"max", "signals": [numbers], "patterns": [regexes]}."""
+    import signal
+
+    most = check_max_restarts(max_restarts) or 0
+    patterns = [sig.pattern.pattern for sig in SIGNATURES if sig.key in TRANSIENT_KEYS]
+    return {"max": most, "signals": [int(signal.Signals[name]) for name in TRANSIENT_SIGNALS],
+            "patterns": patterns + list(TRANSIENT_CUDA)}
+
+
+def check_max_restarts(value) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_RESTARTS:
+        raise UsageError(f"--max-restarts {value}: give 0..{MAX_RESTARTS} automatic restarts")
+    return value

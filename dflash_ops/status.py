@@ -22,6 +22,7 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from . import fanout, runs, terminal
+from .history import parse_segment
 from .remote import ship
 from .remote.prelude import STATES
 from .runs import last_error_line
@@ -79,6 +80,7 @@ class RunStatus:
     findings: list = field(default_factory=list)  # [{key, title, runbook, line}]
     last_error: str | None = None   # a crashed run's last error line of its current segment
     spec: dict | None = None        # the run's spec (launch.json): config, sets, max_steps, devices, code
+    segment: dict | None = None     # the current segment (segments.jsonl): n, kind, start, log_offset, ...
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=False)
@@ -173,6 +175,8 @@ def parse_status(text: str, where: str = "status", missing_ok: bool = True) -> R
     now = _int(facts_.get("now"))
     _apply_checkpoint(st, facts_.get("checkpoint"), now)
     started, ended = _int(file["started"]), _int(file["ended"])
+    st.segment = parse_segment(facts_.get("segment"))
+    started = (st.segment or {}).get("start") or started  # a restart starts a segment; `started` does not
     st.segment_started = started
     st.pid = _int(file["pid"])
     st.exit_code = file["exit_code"]
@@ -286,9 +290,10 @@ def _spec(value) -> dict | None:
     if not isinstance(value, dict):
         return None
     devices = value.get("devices") if isinstance(value.get("devices"), dict) else {}
-    steps = value.get("max_steps")
+    steps, restarts = value.get("max_steps"), value.get("max_restarts")
     return {"config": _text(value.get("config"), 1000), "sets": _texts(value.get("sets"), 2000, 200),
             "max_steps": None if isinstance(steps, str) else _int(steps),
+            "max_restarts": None if isinstance(restarts, str) else _int(restarts),
             "devices": {role: _text(devices.get(role), 400) for role in ("target", "drafter")},
             "inventory_sets": _texts(value.get("inventory_sets"), 2000, 50),
             "code_version": _text(value.get("code_version"), 300),

@@ -8,6 +8,7 @@ turns two consecutive RunStatus into events:
     stalled    alive but silent past --stall-after       hung       ... and past --hang-after
     recovered  a stalled run logs again                  signature  a known failure in the log's tail
     evaluation a new held-out evaluation or `invoke eval`
+    restarted  the run's wrapper relaunched it after a transient crash (`train --max-restarts`)
     crashed / finished / stopped / gone                  the run ended (the watch ends with it)
     unreachable / reachable                              a poll failed / the next one worked again
 
@@ -91,6 +92,13 @@ def changes(before, now, hang_after: float) -> list[tuple[str, str, str | None]]
         if f["key"] not in seen and f["key"] != runs.STALLED.key:
             out.append(("signature", f"{f['title']} in the log: {f['line'][:300]}", f["runbook"]))
     if before is not None:
+        seg, was_seg = now.segment or {}, before.segment or {}
+        if seg.get("kind") == "restart" and (seg.get("n") or 0) > (was_seg.get("n") or 0):
+            out.append(("restarted", f"restarted automatically (restart {seg.get('restart') or '?'}, "
+                        f"segment {seg['n']}) after the training process ended: "
+                        f"{runs.describe_exit(seg.get('after'))}; resuming from step "
+                        f"{seg.get('from_step') or 0}",
+                        None))
         if now.eval_step is not None and now.eval_step != before.eval_step:
             loss = (f"held-out loss {now.eval_loss:.4g}" if isinstance(now.eval_loss, (int, float))
                     else "held-out eval")

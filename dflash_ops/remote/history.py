@@ -22,7 +22,6 @@ component of its path under the runs dir is a symlink (a `checkpoints` link out 
 never followed). Entries of the runs dir that are not runs are listed in `unparsed`, never touched.
 """
 
-import json
 import os
 import re
 import shutil
@@ -31,9 +30,10 @@ import time
 from dflash_ops.remote.prelude import (
     Refused,
     check_deadline,
+    last_record,
     lock_holder_run,
     number,
-    read_end,
+    read_segments,
     read_spec,
     read_text,
     resolve_run,
@@ -68,19 +68,6 @@ def disk_usage(path):
                 seen.add((st.st_dev, st.st_ino))
                 total += st.st_blocks * 512
     return total
-
-
-def last_train_record(path):
-    """The last `train` line of metrics.jsonl (its last 64 KiB), or {}."""
-    data, _ = read_end(path, 1 << 16)
-    for line in reversed((data or b"").split(b"\n")):
-        try:
-            record = json.loads(line.decode("utf-8", "replace"))
-        except (ValueError, RecursionError):
-            continue
-        if isinstance(record, dict) and record.get("kind", "train") == "train":
-            return record
-    return {}
 
 
 def keep_last_of(run_dir):
@@ -123,7 +110,7 @@ def run_record(runs, name, now, stall_after):
     if last_activity is None:
         last_activity = int(os.lstat(run_dir).st_mtime)
     alive = state["alive"]
-    train = last_train_record(os.path.join(run_dir, "metrics.jsonl"))
+    train = last_record(os.path.join(run_dir, "metrics.jsonl"))
     latest, steps, leftovers = checkpoints_of(run_dir)
     return {
         "name": name, "state": state["state"], "detail": state["detail"], "alive": alive,
@@ -260,7 +247,24 @@ def pin(args):
     return list_runs(args)
 
 
-VERBS = {"list": list_runs, "prune": prune, "pin": pin}
+def segments(args):
+    """`invoke runs --history NAME`: run `run`'s segments (prelude.read_segments), oldest first, its
+    state, and the running segment's last logged step so far."""
+    runs, name = args["runs"], args["run"]
+    run_dir = os.path.join(runs, name)
+    if not RUN_NAME.match(name) or not os.path.isdir(run_dir) or os.path.islink(run_dir):
+        raise Refused("no-run", f"no run {name!r} in {runs}: `invoke runs` lists them")
+    now = int(time.time())
+    state = state_of_run(runs, name, run_dir, now, float(args.get("stall_after", 600)))
+    found = read_segments(run_dir)
+    if found and found[-1]["end"] is None:
+        last = last_record(os.path.join(run_dir, "metrics.jsonl"), since=found[-1]["metrics_offset"])
+        found[-1]["last_step"] = last.get("step") if isinstance(last.get("step"), int) else None
+    return {"run": name, "now": now, "state": state["state"], "detail": state["detail"],
+            "alive": state["alive"], "segments": found}
+
+
+VERBS = {"list": list_runs, "prune": prune, "pin": pin, "segments": segments}
 
 
 if __name__ == "__main__":

@@ -465,6 +465,80 @@ def read_spec(path):
     return spec if isinstance(spec, dict) else None
 
 
+SEGMENTS = "segments.jsonl"  # in a run dir: one start line per launch, resume or restart, one end line each
+SEGMENT_KINDS = ("launch", "resume", "restart")
+SEGMENTS_CAP = 1 << 18    # bytes of segments.jsonl read (its end): a thousand segments and more
+SEGMENTS_MAX = 1000       # segments sent at most (the newest)
+
+
+def _count(value):
+    """A JSON integer >= 0 of sane size, else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 53 else None
+
+
+def read_segments(path):
+    """Run dir `path`'s segments, oldest first, from segments.jsonl (the container's data: its end,
+    SEGMENTS_CAP bytes, each line checked). Each launch, resume or automatic restart of the run is
+    one: {"n", "kind", "start", "log_offset", "metrics_offset", "from_step"} as the launch (or the
+    restart) wrote it (a restart also: "restart", its number in a row, and "after", the exit it
+    followed), and the end its wrapper wrote when the training process ended: "end",
+    "exit" (`0`, `N`, `signal N`), "last_step" (its last logged train step), "stopped" (a stop on
+    request ended it); None while it runs or when its wrapper was killed too."""
+    data, start = read_end(os.path.join(path, SEGMENTS), SEGMENTS_CAP)
+    found = {}
+    for line in end_lines(data or b"", start):
+        try:
+            record = json.loads(line.decode("utf-8", "replace"))
+        except (ValueError, RecursionError):
+            continue
+        n = _count(record.get("n")) if isinstance(record, dict) else None
+        if not n:
+            continue
+        if record.get("kind") in SEGMENT_KINDS:
+            found[n] = {"n": n, "kind": record["kind"], "start": _count(record.get("start")),
+                        "log_offset": _count(record.get("log_offset")),
+                        "metrics_offset": _count(record.get("metrics_offset")) or 0,
+                        "from_step": _count(record.get("from_step")) or 0,
+                        "restart": _count(record.get("restart")),
+                        "after": record["after"][:40] if isinstance(record.get("after"), str) else None,
+                        "end": None, "exit": None, "last_step": None, "stopped": False}
+        elif n in found and "end" in record:
+            code = record.get("exit")
+            found[n].update(end=_count(record.get("end")),
+                            exit=code[:40] if isinstance(code, str) else None,
+                            last_step=_count(record.get("last_step")), stopped=record.get("stopped") is True)
+    return [found[n] for n in sorted(found)][-SEGMENTS_MAX:]
+
+
+def current_segment(path):
+    """The run's current segment (its last launch, resume or restart): where it starts in train.log
+    ("log_offset": the size of train.log before its `dflash-ops: launch|restart ...` line) and when
+    ("start", epoch seconds), its "n", "kind", "from_step", and its end once it has one (see
+    read_segments); None for a run without segments.jsonl (launched before it existed)."""
+    segments = read_segments(path)
+    return segments[-1] if segments else None
+
+
+def last_record(path, kind="train", since=0, window=1 << 16):
+    """The last record of `kind` in a JSON-lines metrics file (its last `window` bytes), if it starts
+    at or after byte `since`; else {}."""
+    data, start = read_end(path, window)
+    if not data:
+        return {}
+    end = start + len(data)
+    for line in reversed(data.split(b"\n")):
+        end -= len(line) + 1  # where the line starts, less one: the newline before it
+        if end + 1 < since:
+            break
+        try:
+            record = json.loads(line.decode("utf-8", "replace"))
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(record, dict) and record.get("kind", "train") == kind:
+            return record
+    return {}
+
+
 def run_files(path):
     """The run's small files (pid, pgid, started, ...): their first FILE_CAP bytes on one line each."""
     files = {}

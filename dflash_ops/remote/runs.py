@@ -23,11 +23,13 @@ import time
 from dflash_ops.remote.prelude import (
     CURRENT,
     LINE_CAP,
+    SEGMENTS,
     TAIL_WINDOW,
     LineCutter,
     Refused,
     container_memory,
     current_run,
+    current_segment,
     dir_usage,
     emit,
     end_lines,
@@ -35,12 +37,17 @@ from dflash_ops.remote.prelude import (
     free_near,
     free_text,
     holds_runs_lock,
+    last_activity,
+    last_record,
     mtime,
+    number,
     read_end,
+    read_segments,
     read_spec,
     read_text,
     resolve_run,
     run_alive,
+    run_files,
     run_names,
     runs_lock,
     segment_start,
@@ -60,25 +67,36 @@ METRICS_CAP = 16 << 20    # bytes of metrics.jsonl / evals.jsonl sent at most (t
 STEP = r"^\S+ INFO step \d+/\d+ \|"
 READY = r"^\S+ INFO ready:"  # logged once the target and the drafters are built
 
-# The wrapper: runs the training argv in the run's process group, records pid, exit code or signal.
-# $1 = run dir, then the training argv. It inherits the runs lock from the launch and keeps it.
-WRAPPER = r'''# dflash-ops run wrapper: $1 = run dir, then the training argv.
-dir=$1; shift
+# The wrapper: runs the training argv in the run's process group, records pid, exit code or signal,
+# then asks the `ended` verb (below) whether to run it again (`train --max-restarts`).
+# $1 = run dir, $2..$5 = that verb's python, loader, helper and JSON (ship.argv's), then the
+# training argv. It inherits the runs lock from the launch and keeps it, restarts included.
+WRAPPER = r'''# dflash-ops run wrapper: $1 = run dir, $2-$5 = the `ended` verb, then the training argv.
+dir=$1 py=$2 loader=$3 helper=$4 hook=$5; shift 5
 echo $$ > "$dir/pgid"
 date +%s > "$dir/started"
 trap : TERM INT HUP
-"$@" </dev/null >>"$dir/console.log" &
-child=$!
-echo "$child" > "$dir/pid.tmp" && mv -f "$dir/pid.tmp" "$dir/pid"
 while :; do
-  wait "$child"; rc=$?
-  kill -0 "$child" 2>/dev/null || break
+  "$@" </dev/null >>"$dir/console.log" &
+  child=$!
+  echo "$child" > "$dir/pid.tmp" && mv -f "$dir/pid.tmp" "$dir/pid"
+  while :; do
+    wait "$child"; rc=$?
+    kill -0 "$child" 2>/dev/null || break
+  done
+  if [ "$rc" -gt 128 ]; then code="signal $((rc - 128))"; else code=$rc; fi
+  date +%s > "$dir/ended"
+  printf '%s\n' "$code" > "$dir/exit_code.tmp" && mv -f "$dir/exit_code.tmp" "$dir/exit_code"
+  echo "dflash-ops: training process $child ended: exit $code"
+  [ -n "$py" ] || break
+  case $("$py" -S -c "$loader" "$helper" ended "$hook" </dev/null 2>/dev/null) in
+    '{"ok": "restart"}') [ -e "$dir/stopped" ] || continue ;;
+  esac
+  break
 done
-if [ "$rc" -gt 128 ]; then code="signal $((rc - 128))"; else code=$rc; fi
-date +%s > "$dir/ended"
-printf '%s\n' "$code" > "$dir/exit_code.tmp" && mv -f "$dir/exit_code.tmp" "$dir/exit_code"
-echo "dflash-ops: training process $child ended: exit $code"
 '''
+RESTART_BACKOFF_S = 5     # the first automatic restart waits this long, each next one twice as long
+RESTART_BACKOFF_CAP_S = 300
 
 
 def jsonl_tail(path, cap=METRICS_CAP, line_cap=METRIC_LINE_CAP):
@@ -141,7 +159,10 @@ def status(args):
     stall_after = float(args.get("stall_after", 600))
     state = state_of_run(runs, name, path, now, stall_after)
     log, metrics = os.path.join(path, "train.log"), os.path.join(path, "metrics.jsonl")
-    segment = segment_start(log)  # the current segment: the last launch or resume
+    # the current segment: its record (a launch, resume or automatic restart); a run launched before
+    # segments.jsonl existed: its last launch line
+    current = current_segment(path)
+    segment = current["log_offset"] if current and current["log_offset"] is not None else segment_start(log)
     out.update(exists=True, alive=state["alive"], state=state["state"], detail=state["detail"],
                idle_s=state["idle_s"], files=state["files"], free=free_bytes(path),
                metrics=tail_lines(metrics, int(args.get("metric_lines", 200)), cap=METRIC_LINE_CAP),
@@ -149,6 +170,7 @@ def status(args):
                log=tail_lines(log, int(args.get("log_lines", 40)), since=segment))
     out["data"] = read_text(os.path.join(path, "data.json"), 4000)
     out["spec"] = read_spec(path)
+    out["segment"] = current
     latest = os.path.join(path, "checkpoints", "latest")
     text = read_text(latest, 100)
     if text is not None:
@@ -301,11 +323,9 @@ def _launch_locked(args, held, directory):
     except OSError as exc:
         raise Refused("cannot-write",
                       f"cannot create {directory}: {exc.strerror} ({free_text(runs)})") from None
-    for stale in ("exit_code", "stopped", "pid", "pgid", "ended"):
-        try:
-            os.unlink(os.path.join(directory, stale))
-        except OSError:
-            pass
+    close_segment(directory, run_files(directory))  # the last one's end, if its wrapper could not write it
+    kind = "resume" if read_segments(directory) or _latest_step(directory) else "launch"
+    _unlink(directory, ("exit_code", "stopped", "pid", "pgid", "ended"))
     version, manifest = code_version(args.get("manifest") or "")
     record = json.loads(args.get("launch") or "{}")
     record["code_version"] = version
@@ -319,14 +339,12 @@ def _launch_locked(args, held, directory):
     _write(os.path.join(runs, CURRENT + ".tmp"), name + "\n")
     os.replace(os.path.join(runs, CURRENT + ".tmp"), os.path.join(runs, CURRENT))
     log = os.path.join(directory, "train.log")
-    with open(log, "ab") as f:
-        offset = f.tell()
-        f.write((f"dflash-ops: launch {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} of "
-                 f"run {name}\n").encode())
+    offset = open_segment(directory, kind, name)
     # `setsid -f`: the wrapper leads its own session and process group, and is not our child (it
     # outlives this process; init reaps it). It inherits the lock's fd and with it the lock.
     with open(log, "ab") as out, open(os.devnull, "rb") as devnull:
-        subprocess.run(["setsid", "-f", "sh", os.path.join(directory, "run.sh"), directory] + list(argv),
+        subprocess.run(["setsid", "-f", "sh", os.path.join(directory, "run.sh"), directory]
+                       + _hook(args.get("hook")) + list(argv),
                        stdin=devnull, stdout=out, stderr=subprocess.STDOUT, pass_fds=(lock,),
                        cwd=args.get("cwd"))
     os.close(held.pop())  # the wrapper holds it now
@@ -349,8 +367,174 @@ def _number(text):
     return int(text) if text.isdigit() else None
 
 
+def _unlink(directory, names):
+    for name in names:
+        try:
+            os.unlink(os.path.join(directory, name))
+        except OSError:
+            pass
+
+
+def _hook(hook):
+    """The wrapper's `ended` call, from ship.argv's [python, -S, -c, loader, helper, "ended", json]:
+    [python, loader, helper, json] (four empty words without one: the wrapper then never restarts)."""
+    if not hook:
+        return ["", "", "", ""]
+    if (not isinstance(hook, list) or len(hook) != 7 or not all(isinstance(w, str) for w in hook)
+            or hook[1:3] != ["-S", "-c"] or hook[5] != "ended"):
+        raise Refused("bad-input", "the hook is not the `ended` verb's argv")
+    return [hook[0], hook[3], hook[4], hook[6]]
+
+
+# --- segments: each launch, resume or automatic restart of a run (`invoke runs --history`) ----------
+# segments.jsonl (prelude.read_segments reads it): the launch (or the `ended` verb, for a restart)
+# appends a segment's start, the `ended` verb its end when the training process ends; a segment
+# whose wrapper died with it (a stop's SIGKILL, a container restart) is closed by the next launch.
+
+def _append(directory, record):
+    import errno
+
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(os.path.join(directory, SEGMENTS), flags, 0o644)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(record, sort_keys=True) + "\n")  # one write: lines never interleave
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise Refused("disk-full", f"cannot write {directory}/{SEGMENTS} ({free_text(directory)}): "
+                          "disk full? read docs/runbooks/disk-full.md") from None
+        raise Refused("cannot-write", f"cannot write {directory}/{SEGMENTS}: {exc.strerror}") from None
+
+
+def _latest_step(directory):
+    """The step of checkpoints/latest (`step-N`), or 0."""
+    text = (read_text(os.path.join(directory, "checkpoints", "latest"), 100) or "").strip()
+    return int(text[5:]) if text.startswith("step-") and text[5:].isdigit() and len(text) < 25 else 0
+
+
+def _size(path):
+    try:
+        return os.lstat(path).st_size
+    except OSError:
+        return 0
+
+
+def open_segment(directory, kind, name, **extra):
+    """A new segment: its `dflash-ops: launch|restart <time> of run <name>` line in train.log (a
+    resume is a launch there, as it always was) and its start in segments.jsonl. Returns train.log's
+    size before that line (where the segment's log starts)."""
+    previous = read_segments(directory)
+    now = int(time.time())
+    with open(os.path.join(directory, "train.log"), "ab") as f:
+        offset = f.tell()
+        word = "restart" if kind == "restart" else "launch"
+        f.write((f"dflash-ops: {word} {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(now))} of "
+                 f"run {name}\n").encode())
+    _append(directory, dict(extra, n=(previous[-1]["n"] + 1) if previous else 1, kind=kind, start=now,
+                            log_offset=offset, from_step=_latest_step(directory),
+                            metrics_offset=_size(os.path.join(directory, "metrics.jsonl"))))
+    return offset
+
+
+def close_segment(directory, files):
+    """The current segment's end, written once, from the run's files as the wrapper left them (exit
+    code, end time, whether a stop was requested); the segment, or None without one."""
+    current = current_segment(directory)
+    if current is None or current["end"] is not None:
+        return current
+    code, stopped = files.get("exit_code"), files.get("stopped")
+    if code is None and (stopped or "").startswith("kill"):
+        code = "signal 9"  # a stop's SIGKILL ended the wrapper with it
+    end = number(files.get("ended")) or last_activity(directory, files) or int(time.time())
+    last = last_record(os.path.join(directory, "metrics.jsonl"), since=current["metrics_offset"])
+    current.update(end=max(end, current["start"] or 0), exit=code, stopped=stopped is not None,
+                   last_step=last.get("step") if isinstance(last.get("step"), int) else None)
+    _append(directory, {"n": current["n"], "end": current["end"], "exit": code,
+                        "stopped": current["stopped"], "last_step": current["last_step"]})
+    return current
+
+
+def restart_reason(directory, code, segment, policy):
+    """Why an ended training process may be restarted (a known transient failure), or None: a clean
+    end, any other failure (a config error, CUDA out of memory: it would fail again). `policy`:
+    the launch's {"signals": [numbers], "patterns": [regular expressions of the log's lines]}."""
+    import re
+    import signal
+
+    if code is None or code == "0":
+        return None
+    if code.startswith("signal "):
+        num = number(code[7:])
+        if num in [n for n in policy.get("signals") or () if isinstance(n, int)]:
+            try:
+                shown = signal.Signals(num).name
+            except ValueError:
+                shown = "?"
+            return f"the training process was killed by signal {num} ({shown})"
+        return None
+    patterns = []
+    for text in (policy.get("patterns") or ())[:32]:
+        try:
+            patterns.append(re.compile(text[:500]))
+        except (re.error, TypeError):
+            continue
+    start = (segment or {}).get("log_offset") or 0
+    data, at = read_end(os.path.join(directory, "train.log"), TAIL_WINDOW)
+    data = data or b""
+    if at < start:  # the segment's own lines only
+        data, at = data[start - at:], start
+    lines = data.split(b"\n")[1 if at > start else 0:]  # the first is cut when read from mid-segment
+    for raw in reversed(lines[-400:]):
+        line = raw[:LINE_CAP * 4].decode("utf-8", "replace")[:LINE_CAP]
+        if any(p.search(line) for p in patterns):
+            return f"a transient error in its log ({line.strip()[:200]})"
+    return None
+
+
+def _note(directory, text):
+    with open(os.path.join(directory, "train.log"), "ab") as f:
+        f.write((text + "\n").encode("utf-8", "replace"))
+
+
+def ended(args):
+    """The wrapper's call once its training process has ended (WRAPPER): the segment's end, then
+    "restart" when it may run again: a known transient failure (restart_reason), no stop requested,
+    fewer automatic restarts in a row than the launch's --max-restarts. It waits the backoff first
+    (5 s, doubling, at most 300 s; a stop meanwhile ends it), notes it in train.log and opens the
+    restart's segment (the training process resumes from the latest checkpoint). Else "done"."""
+    runs, name = args["runs"], args["name"]
+    name, directory = resolve_run(runs, name)
+    files = run_files(directory)
+    current = close_segment(directory, files)
+    policy = args.get("restart") if isinstance(args.get("restart"), dict) else {}
+    most = policy.get("max") if isinstance(policy.get("max"), int) else 0
+    why = None if files.get("stopped") is not None or most <= 0 else restart_reason(
+        directory, files.get("exit_code"), current, policy)
+    if why is None:
+        return "done"
+    done = 0
+    for segment in reversed(read_segments(directory)):
+        if segment["kind"] != "restart":
+            break
+        done += 1
+    if done >= most:
+        _note(directory, f"dflash-ops: not restarting run {name}: {why}; its {done} automatic restart(s) "
+                         f"of --max-restarts {most} are used")
+        return "done"
+    delay = min(float(policy.get("backoff_s", RESTART_BACKOFF_S)) * 2 ** done, RESTART_BACKOFF_CAP_S)
+    _note(directory, f"dflash-ops: {why}: restart {done + 1} of {most} in {delay:g} s, from the latest "
+                     "checkpoint")
+    time.sleep(delay)
+    if os.path.lexists(os.path.join(directory, "stopped")):
+        return "done"
+    _unlink(directory, ("exit_code", "ended", "pid"))
+    open_segment(directory, "restart", name, restart=done + 1, after=files.get("exit_code"))
+    return "restart"
+
+
 def wait(args):
-    """Stream the run's new log lines (one JSON line each) until it is going, has died, or time is up."""
+    """Stream the run's new log lines (one JSON line each) until it is going, has died (its training
+    process ended and its wrapper too: an automatic restart goes on to its first step), or time is up."""
     import re
     import signal
 
@@ -385,7 +569,7 @@ def wait(args):
         if ended is not None and not data:
             return {"outcome": "crashed", "exit_code": ended}
         code = (read_text(os.path.join(directory, "exit_code")) or "").strip()
-        if code:
+        if code and not run_alive(args["runs"], args["name"]):  # alive: its wrapper may restart it
             ended = code  # one more read: the wrapper's last line follows the exit code
             continue
         if time.monotonic() >= deadline:
@@ -551,6 +735,8 @@ def stop(args):
         return {"outcome": "left", "run": name, "processes": processes()}
     os.close(lock)
     _write(os.path.join(directory, "stopped"), f"{how} {int(time.time())}\n")
+    if how == "kill":  # the wrapper went with the group: the segment's end is ours to write
+        close_segment(directory, run_files(directory))
     return {"outcome": how, "run": name, "exit_code": exit_code()}
 
 
@@ -599,7 +785,7 @@ def clean_caches(args):
 
 VERBS = {"status": status, "logs-tail": logs_tail, "follow": follow, "metrics": metrics, "launch": launch,
          "wait": wait, "stop": stop, "warmup": warmup, "clean-caches": clean_caches,
-         "spec": spec, "resolve": resolve_verb}
+         "spec": spec, "resolve": resolve_verb, "ended": ended}
 
 
 if __name__ == "__main__":

@@ -70,3 +70,15 @@ def test_bad_watch_flags_fail_at_once():
                         (("r", 0, 600, 1800), "--every 0"), (("r", 30, 600, 60), "--hang-after 60")):
         with pytest.raises(UsageError, match=words):
             events.check_watchable(*args)
+
+
+def test_an_automatic_restart_is_an_event_once():
+    first = {"n": 1, "kind": "launch", "start": 100, "from_step": 0}
+    again = {"n": 2, "kind": "restart", "start": 200, "from_step": 30, "restart": 1, "after": "signal 9"}
+    before, now = st("running", segment=first), st("running", segment=again)
+    assert events.changes(before, now, 1800) == [
+        ("restarted", "restarted automatically (restart 1, segment 2) after the training process ended: "
+                      "killed by signal 9 (SIGKILL); resuming from step 30", None)]
+    assert kinds(now, st("running", 40, segment=again)) == []
+    resumed = {"n": 3, "kind": "resume", "start": 300, "from_step": 40}  # a user's launch: `started`
+    assert kinds(st("stopped", segment=again), st("running", segment=resumed)) == ["started"]

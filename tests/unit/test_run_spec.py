@@ -5,7 +5,7 @@ import json
 import pytest
 
 from dflash_ops import launch
-from dflash_ops.errors import RemoteCommandFailed
+from dflash_ops.errors import RemoteCommandFailed, UsageError
 from dflash_ops.inventory import parse_inventory
 from dflash_ops.remote import prelude
 from dflash_ops.remote import runs as container_runs
@@ -109,3 +109,29 @@ def test_the_spec_verb_reads_launch_json_as_data(tmp_path):
     for junk in ("[1, 2]", "{cut", "x" * (prelude.SPEC_CAP + 10)):
         (runs / "r1" / "launch.json").write_text(junk)
         assert ask("r1")["spec"] is None
+
+
+def test_max_restarts_is_saved_kept_by_a_resume_and_changed_by_a_new_value(ct):
+    argv, _ = launch.launch_argv(ct, "r1", None, [], None, max_restarts=2)
+    payload = json.loads(argv[-1])
+    record = json.loads(payload["launch"])
+    assert record["max_restarts"] == 2
+    hook = payload["hook"]  # what the wrapper runs when the training process ends
+    assert hook[:3] == [ct.python, "-S", "-c"] and hook[5] == "ended"
+    restart = json.loads(hook[6])["restart"]
+    assert restart["max"] == 2 and restart["signals"] == [9, 11, 7]
+    assert any("NCCL" in p for p in restart["patterns"])
+    kept = launch.merge_spec(ct, record, None, [], None)
+    assert (kept.max_restarts, kept.changes) == (2, [])
+    assert "--max-restarts 2" in launch.describe_spec("r1", kept)
+    changed = launch.merge_spec(ct, record, None, [], None, max_restarts=0)
+    assert (changed.max_restarts, changed.changes) == (0, ["--max-restarts: 2 -> 0"])
+    with pytest.raises(UsageError, match="--max-restarts -1: give 0..100"):
+        launch.Spec(None, [], None, max_restarts=launch.check_max_restarts(-1))
+
+
+def test_a_multi_node_run_refuses_max_restarts():
+    import tasks
+
+    with pytest.raises(UsageError, match="--max-restarts is for a run in one container, not a multi-node"):
+        tasks._train_nodes([], run="r1", max_restarts=2)

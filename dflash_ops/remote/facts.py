@@ -16,6 +16,7 @@ import os
 
 from dflash_ops.remote.prelude import (
     MANIFEST,
+    PLAN_FILE,
     REQUIREMENTS_STAMP,
     Refused,
     alive_run,
@@ -200,7 +201,7 @@ def facts(args):
     if "runs" in want:
         out["alive"] = alive_run(args["runs"])
     if "plan" in want:  # the last `invoke plan` measurement (plan_layout.py --save), for doctor
-        out["plan"] = read_json(os.path.join(args["runs"], "plan.json"))
+        out["plan"] = read_json(os.path.join(args["runs"], PLAN_FILE))
     return out
 
 

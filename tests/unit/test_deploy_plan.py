@@ -505,3 +505,24 @@ def test_sandbox_inventory_for_the_real_target():
     assert (tiny.tiny_target, tiny.target_package) == (True, None)
     with pytest.raises(sandbox.SandboxError, match="known targets are tiny, smollm2"):
         sandbox.up(target="gpt2", inventory_path=None)
+
+
+def test_the_needs_verb_names_the_paths_that_fail_their_test(tmp_path):
+    """payload.require's check, as the container runs it: indexes of the failing paths, relative ones
+    under cwd; a missing cwd is its own refusal (not deployed yet)."""
+    (tmp_path / "code" / "data").mkdir(parents=True)
+    (tmp_path / "code" / "a.jsonl").write_text("{}\n")
+    os.mkfifo(tmp_path / "fifo")
+    needs = [["d", "data"], ["f", "a.jsonl"], ["d", "a.jsonl"], ["f", "nope"], ["e", str(tmp_path / "fifo")],
+             ["f", str(tmp_path / "fifo")], ["e", "data"]]
+    argv = [sys.executable, "-S", "-c", ship.LOADER, ship.packed("facts"), "needs"]
+    run = lambda payload: subprocess.run([*argv, json.dumps(payload)], capture_output=True, text=True,  # noqa: E731
+                                         timeout=60).stdout
+    assert ship.answer(run({"cwd": str(tmp_path / "code"), "needs": needs}), "t") == {"missing": [2, 3, 5]}
+    with pytest.raises(ship.Refusal) as gone:
+        ship.answer(run({"cwd": str(tmp_path / "gone"), "needs": needs}), "t")
+    assert gone.value.kind == "no-cwd"
+    with pytest.raises(ship.Refusal) as bad:
+        ship.answer(run({"cwd": str(tmp_path), "needs": [["x", "a"]]}), "t")
+    assert bad.value.kind == "bad-input"
+

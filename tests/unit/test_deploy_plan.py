@@ -526,3 +526,38 @@ def test_the_needs_verb_names_the_paths_that_fail_their_test(tmp_path):
         ship.answer(run({"cwd": str(tmp_path), "needs": [["x", "a"]]}), "t")
     assert bad.value.kind == "bad-input"
 
+
+def test_stage_and_record_verbs_copy_check_and_replace_only_a_whole_copy(tmp_path):
+    """invoke stage's verbs as the container runs them: the record is sha256sum's format (sha256sum -c
+    reads it), a staged copy holds every file and the stamp, a second stage copies nothing, and a store
+    that no longer matches its record replaces nothing and leaves no copy behind."""
+    store, model, manifest = tmp_path / "store", tmp_path / "shm" / "model", tmp_path / "store.sha256"
+    (store / "sub").mkdir(parents=True)
+    (store / "model.safetensors").write_bytes(os.urandom(3 << 20))
+    (store / "config.json").write_text('{"model_type": "qwen3"}\n')
+    (store / "sub" / "b").write_text("b\n")
+    (store / "link").symlink_to("config.json")
+    paths = {"store": str(store), "manifest": str(manifest)}
+    _, none = shipped_verb("stage", dict(paths, model=str(model)))
+    assert none["error"] == "no-manifest", none
+    _, recorded = shipped_verb("record", paths)
+    assert recorded["ok"]["what"] == "recorded"
+    check = subprocess.run(["sha256sum", "--strict", "--quiet", "-c", str(manifest)], cwd=store)
+    assert check.returncode == 0
+    assert [ln.split()[1] for ln in manifest.read_text().splitlines()] == [
+        "./config.json", "./model.safetensors", "./sub/b"]
+    _, staged = shipped_verb("stage", dict(paths, model=str(model)))
+    assert staged == {"ok": {"what": "staged", "bytes": recorded["ok"]["bytes"]}}
+    assert sorted(str(p.relative_to(model)) for p in model.rglob("*")) == [
+        ".dflash-staged", "config.json", "link", "model.safetensors", "sub", "sub/b"]
+    assert (model / "model.safetensors").read_bytes() == (store / "model.safetensors").read_bytes()
+    assert os.readlink(model / "link") == "config.json"
+    _, again = shipped_verb("stage", dict(paths, model=str(model)))
+    assert again["ok"]["what"] == "already"
+
+    (model / ".dflash-staged").write_text("an older record")
+    (store / "sub" / "b").write_text("changed\n")
+    _, bad = shipped_verb("stage", dict(paths, model=str(model)))
+    assert bad["error"] == "mismatch" and bad["message"] == "./sub/b: FAILED", bad
+    assert (model / ".dflash-staged").read_text() == "an older record"  # the previous copy, untouched
+    assert sorted(p.name for p in model.parent.iterdir()) == ["model"]  # no copy left beside it

@@ -469,8 +469,8 @@ def read_manifest(manifest):
 
 
 def copy_tree(store, tmp):
-    """`cp -a store/. tmp/`: directories, symlinks as links, files with their modes and times; the
-    sha256 of every regular file copied, by `./rel`."""
+    """`cp -a store/. tmp/`: directories, symlinks as links, files with their modes, times and (as
+    root) owners; the sha256 of every regular file copied, by `./rel`."""
     got = {}
     for base, dirs, names in os.walk(store):
         rel_base = os.path.relpath(base, store)
@@ -487,6 +487,9 @@ def copy_tree(store, tmp):
             else:
                 continue  # a FIFO, socket or device: not part of a model
             shutil.copystat(src, dst, follow_symlinks=False)
+            if os.geteuid() == 0:  # cp -a keeps the owner where it may
+                st = os.lstat(src)
+                os.lchown(dst, st.st_uid, st.st_gid)
     for base, dirs, _names in os.walk(store, topdown=False):  # directory times, after their contents
         for name in dirs:
             src = os.path.join(base, name)

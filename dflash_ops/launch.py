@@ -43,6 +43,7 @@ from .errors import PreflightFailed, RemoteCommandFailed, RunStateError, UsageEr
 from .inventory import SECRET_NAME, Container
 from .payload import config_path, inventory_sets, payload_argv, validate_sets
 from .remote import ship
+from .remote.prelude import LOG_FILE, MANIFEST  # the container side's names, one definition
 from .runs import (
     check_max_restarts,
     default_run_name,
@@ -59,7 +60,6 @@ LAUNCH_TIMEOUT_S = 600.0  # the launch verb: the preflight (up to 300 s), the se
 STOP_TIMEOUT_S = 60.0     # the stop verb beyond the grace: SIGKILL, the lock's release, the answer
 SPEC_TIMEOUT_S = 60.0     # the spec verb: launch.json and the deploy manifest read
 WAIT_OUTPUT_CAP = 64 << 20  # the wait verb streams the log until the first step: a few MiB at most
-MANIFEST = ".dflash-manifest.json"  # written by deploy into paths.code
 TRAIN_SCRIPT = "train_dflash.py"
 WARMUP_SCRIPT_NAME = "warmup_compile.py"
 PREFLIGHT_SCRIPT = "preflight.py"
@@ -91,7 +91,7 @@ class Launch:
 
     @property
     def log(self) -> str:
-        return f"{self.run_dir}/train.log"
+        return f"{self.run_dir}/{LOG_FILE}"
 
     def describe(self) -> str:
         outcome = self.verdict.get("outcome")

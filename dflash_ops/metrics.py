@@ -22,7 +22,6 @@ from .errors import UsageError
 from .remote import ship
 from .status import fmt
 
-MAX_ANSWER = 64 << 20  # remote/runs.py sends at most 16 MiB of each file, JSON-escaped
 METRICS_TIMEOUT_S = 120.0
 
 
@@ -76,7 +75,7 @@ def parse_metrics(text: str, run: str = "", where: str = "metrics") -> RunMetric
 
     Every value is checked: numbers must be finite, lists flat; anything else becomes None (shown '-').
     """
-    answer = ship.answer(text, where, MAX_ANSWER)
+    answer = ship.answer(text, where, ship.METRICS_CAP)
     if not isinstance(answer, dict):
         raise ship.BadAnswer(f"{where}: the answer is not an object")
     latest = answer.get("run") if isinstance(answer.get("run"), str) else ""
@@ -141,7 +140,7 @@ def fetch(t, run: str | None = None) -> RunMetrics | None:
     name = runs.validate_run_name(run) if run is not None else None
     payload = {"runs": ct.paths.runs, "name": name, "deadline_s": METRICS_TIMEOUT_S}
     result = ship.run(t, ship.line(ct, "runs", "metrics", payload), f"{ct.label}: metrics",
-                      timeout=METRICS_TIMEOUT_S + 5, cap=MAX_ANSWER)
+                      timeout=METRICS_TIMEOUT_S + 5, cap=ship.METRICS_CAP)
     if t.dry_run:
         return None
     return parse_metrics(result.stdout, name or "", f"{ct.label}: metrics")

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from . import commands, terminal
 from .errors import DflashOpsError, RemoteCommandFailed, UsageError
 from .inventory import Container
+from .remote import ship
 
 SET_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 RESULT = "RESULT "
@@ -131,35 +132,35 @@ class Need:
     error: DflashOpsError
 
 
-# $1: the answer's marker; then triples (index, test, path): the indexes of the paths that fail.
-NEEDS_SCRIPT = 'm=$1; shift; while [ $# -ge 3 ]; do [ -"$2" "$3" ] || echo "$m $1"; shift 3; done'
-NEEDS_MARK = "dflash-missing"
+NEEDS_TIMEOUT_S = 30.0  # the needs verb: a stat(2) per path
 
 
 def require(t, needs: Sequence[Need]) -> None:
     """One round trip before the slow work (a payload script imports torch for 15-20 s before it
-    reads its arguments): the first need that fails raises its error, as train's preflight does."""
+    reads its arguments): the facts helper's `needs` verb tests the paths in the container, and the
+    first need that fails raises its error, as train's preflight does."""
     if not needs:
         return
     ct = t.container
-    args = [NEEDS_MARK]
-    for i, need in enumerate(needs):
+    for need in needs:
         if need.test not in ("d", "f", "e"):
             raise ValueError(f"test {need.test!r}")
-        args += [str(i), need.test, need.path]
-    result = t.session.exec(ct, commands.sh_script(NEEDS_SCRIPT, *args), env={"PATH": commands.SYSTEM_PATH},
-                            cwd=ct.paths.code, check=False)
+    payload = {"cwd": ct.paths.code, "needs": [[need.test, need.path] for need in needs]}
+    try:
+        value = ship.call(t, "facts", "needs", payload, timeout=NEEDS_TIMEOUT_S, what="checking the paths")
+    except ship.Refusal as refusal:
+        if refusal.kind == "no-cwd":
+            raise RemoteCommandFailed(f"{ct.label}: {ct.paths.code} does not exist: "
+                                      "run `invoke deploy`") from None
+        ship.raise_common(refusal)
     if t.dry_run:
         return
-    if result.exited == 125 and "cannot change directory" in result.stderr:
-        raise RemoteCommandFailed(f"{ct.label}: {ct.paths.code} does not exist: run `invoke deploy`")
-    if result.exited != 0:
-        raise RemoteCommandFailed(f"{ct.label}: checking the paths failed (exit {result.exited}): "
-                                  f"{terminal.visible(result.stderr.strip()[-200:])}")
-    for line in result.stdout.splitlines()[:len(needs)]:
-        mark, _, index = line.partition(" ")
-        if mark == NEEDS_MARK and index.isdigit() and int(index) < len(needs):
-            raise needs[int(index)].error
+    where = f"{ct.label}: checking the paths"
+    missing = ship.field(value, "missing", list, where)
+    if not all(type(i) is int and 0 <= i < len(needs) for i in missing):
+        raise ship.BadAnswer(f"{where}: the answer's field 'missing' is not a list of the paths' indexes")
+    if missing:
+        raise needs[min(missing)].error
 
 
 def run_script(t, argv: list[str], what: str, echo=print, ok: tuple[int, ...] = (0,),

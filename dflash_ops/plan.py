@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import yaml
 
 from .errors import DflashOpsError
+from .remote.prelude import PLAN_FILE  # in paths.runs: the last measurement, which doctor compares with
 
 LAGGING = 0.7  # doctor warns when the configured layout expects less than this share of the best
 
@@ -144,7 +145,6 @@ def lagging(m: Measured, target_gpus: int, placement: str) -> str | None:
 # --- the task: measure in the container, then the table -----------------------------------------
 
 PLAN_SCRIPT = "plan_layout.py"
-PLAN_FILE = "plan.json"  # in paths.runs: the last measurement, which doctor compares the layout with
 
 
 MAX_GPUS = 64  # more devices than any one host has: a plan.json naming more is not a measurement

@@ -24,12 +24,11 @@ from dataclasses import asdict, dataclass, field
 from . import fanout, runs, terminal
 from .history import parse_segment
 from .remote import ship
-from .remote.prelude import STATES
+from .remote.prelude import LINE_CAP, RUN_FILES, STATES
 from .runs import last_error_line
 
 DEFAULT_STALL_AFTER = 600
 LOW_SPACE = 1 << 20  # bytes free on the run directory's filesystem below which it counts as full
-MAX_ANSWER = 8 << 20  # the verb's answer is a few kB; anything this big is not one
 STATUS_TIMEOUT_S = 15.0  # the status verb's deadline (nvidia-smi gets 10 s of it)
 
 
@@ -134,7 +133,7 @@ def _gpu(text: str) -> Gpu | None:
 def load_answer(text: str, where: str = "status") -> dict:
     """The verb's stdout -> its answer object (ship.answer); BadAnswer (a ValueError, one line) or
     Refusal otherwise."""
-    answer = ship.answer(text, where, MAX_ANSWER)
+    answer = ship.answer(text, where)
     if not isinstance(answer, dict):
         raise ship.BadAnswer(f"{where}: the answer is not an object")
     return answer
@@ -170,8 +169,7 @@ def parse_status(text: str, where: str = "status", missing_ok: bool = True) -> R
         raise ship.BadAnswer(f"{where}: the answer's field 'state' is not a run state")
     st.state, st.detail = state, (_text(facts_.get("detail"), 300) or "")
     files = facts_.get("files") if isinstance(facts_.get("files"), dict) else {}
-    file = {k: _text(files.get(k), 300)
-            for k in ("pid", "started", "ended", "exit_code", "stopped", "code_version")}
+    file = {k: _text(files.get(k), 300) for k in RUN_FILES}
     now = _int(facts_.get("now"))
     _apply_checkpoint(st, facts_.get("checkpoint"), now)
     started, ended = _int(file["started"]), _int(file["ended"])
@@ -183,7 +181,7 @@ def parse_status(text: str, where: str = "status", missing_ok: bool = True) -> R
     st.code_version = file["code_version"]
     idle = _int(facts_.get("idle_s"))
     st.idle_s = idle if idle is not None and idle >= 0 else None
-    logs = _texts(facts_.get("log"), 2000, 200)  # the current segment's last lines
+    logs = _texts(facts_.get("log"), LINE_CAP, 200)  # the current segment's last lines
     _apply_metrics(st, _texts(facts_.get("metrics"), 1 << 16, 200), started, logs)
     st.last_eval = _last_eval(facts_.get("eval"))
     st.data_warnings = _data_warnings(facts_.get("data"))
@@ -368,7 +366,7 @@ def gather(t, run: str | None = None, stall_after: float = DEFAULT_STALL_AFTER,
     where = f"{ct.label}: status"
     payload = dict(status_payload(ct, name, stall_after), deadline_s=STATUS_TIMEOUT_S)
     result = ship.run(t, ship.line(ct, "runs", "status", payload), where, timeout=STATUS_TIMEOUT_S + 5,
-                      cap=MAX_ANSWER)
+                      cap=ship.ANSWER_CAP)
     if t.dry_run:
         return None
     return parse_status(result.stdout, where, missing_ok=missing_ok)

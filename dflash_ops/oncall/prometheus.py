@@ -14,9 +14,8 @@ import math
 import os
 import secrets
 
+from ..remote.prelude import STATES
 from ..status import RunStatus
-
-STATES = ("running", "stalled", "finished", "crashed", "stopped", "missing", "none")
 
 # name -> help; every family is a gauge. The order here is the order in the output.
 FAMILIES = {

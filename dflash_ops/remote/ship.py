@@ -30,7 +30,8 @@ from .facts import FACTS
 HERE = Path(__file__).parent
 HELPERS = ("runs", "facts", "fetch", "history", "release")
 ANSWER_CAP = 8 << 20        # bytes of a reply read at most (metrics: METRICS_CAP)
-METRICS_CAP = 40 << 20      # the metrics verb sends up to 16 MiB of each of two files, JSON-escaped
+METRICS_CAP = 64 << 20      # the metrics verb sends up to 16 MiB of each of two files, JSON-escaped
+PART = ".dflash-part"       # a pushed file lands as <dest>.dflash-part until its size and sha256 are checked
 DEFAULT_TIMEOUT_S = 120.0   # a helper call's deadline unless the caller names one
 STREAM_GRACE_S = 30.0       # a streamed verb's answer after its deadline: ending its process group, 5 s
 PRELUDE_IMPORT = re.compile(r"^from dflash_ops\.remote\.prelude import (?:\([^)]*\)|[^\n]*)\n", re.M)
@@ -262,7 +263,7 @@ def push_line(container: Container, host_path: str, ct_path: str, size: int, sha
     """`pct push` to `<ct_path>.dflash-part`, then release.py's push-check in the container: renamed
     to `ct_path` when its size and sha256 are these (nothing else in the container changes when the
     push failed or was short). Read with push_failure, then answer()."""
-    part = f"{ct_path}.dflash-part"
+    part = f"{ct_path}{PART}"
     check = line(container, "release", "push-check",
                  {"part": part, "dest": ct_path, "size": int(size), "sha256": sha256})
     push = commands.pct_transfer("push", container.ctid, host_path, part, pct=container.host.pct_command)

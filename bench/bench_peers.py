@@ -197,14 +197,15 @@ def _run_ours(results, variant, shape_kind, device, smoke, cache_dir, ceiling, i
         losses.append(loss)
 
     t = timed_steps(step, device, warmup=2, iters=iters)
-    head_flops = 2 * 2.0 * batch.num_blocks * config.model.block_size \
+    # the FP8 product: the LM head's logits (the input-gradient product stays bf16)
+    fp8_flops = 2.0 * batch.num_blocks * config.model.block_size \
         * worker.drafter.config.hidden_size * worker.head_weight.shape[0]
     row = results.add(
         "peers", f"{shape_kind}:{variant}", **t, tflops=flops / t["ms"] / 1e9,
         mfu_pct=100 * flops / t["ms"] / 1e9 / ceiling if ceiling else None,
         tokens_per_s=config.data.max_length / t["ms"] * 1e3, peak_gib=peak_gib(device),
         loss_first_last=[losses[0], losses[-1]], steps=len(losses), step_tflop=flops / 1e12,
-        fp8_share_pct=100 * head_flops / flops if config.speed.fp8_lm_head else 0.0,
+        fp8_share_pct=100 * fp8_flops / flops if config.speed.fp8_lm_head else 0.0,
         speed=dict(config.to_dict()["speed"]))
     worker = batch = None  # frees the GPU memory before the next variant
     free(device)

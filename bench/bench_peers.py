@@ -11,8 +11,10 @@ Sections (`--only`, comma list; default all but curve27b):
            layers, block 16, 512 anchors, S 3072, 5 taps): the same batch for all, each built from
            a fresh seed, median ms of `--iters` steps, peak memory, loss after the timed steps;
 - 27b:     our variants at the 27B-class shape;
-- curve:   `--curve-steps` steps of ours with every speed switch off and with every one on, the
-           same batches in the same order; the largest relative difference of the 20-step means;
+- curve:   `--curve-steps` steps of ours with every speed switch off and of each of
+           `--curve-variants` (default every switch on), the same batches in the same order;
+           the largest relative difference of the 20-step means (common.curve_gap, the metric
+           bench_numerics.py takes over train_dflash.py runs);
 - threads: three workers of ours (every switch on) on one device, stepping in threads as
            training does (warm-up first); the replicas must stay identical.
 
@@ -40,7 +42,7 @@ import zipfile
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
 
 import torch  # noqa: E402
-from common import Results, sync, time_fn  # noqa: E402
+from common import Results, curve_gap, sync, time_fn  # noqa: E402
 
 SECTIONS = ["matmul", "profile", "peers", "27b", "curve", "threads"]
 # our variants: name -> --set overrides on top of the production config
@@ -195,14 +197,15 @@ def _run_ours(results, variant, shape_kind, device, smoke, cache_dir, ceiling, i
         losses.append(loss)
 
     t = timed_steps(step, device, warmup=2, iters=iters)
-    head_flops = 2 * 2.0 * batch.num_blocks * config.model.block_size \
+    # the FP8 product: the LM head's logits (the input-gradient product stays bf16)
+    fp8_flops = 2.0 * batch.num_blocks * config.model.block_size \
         * worker.drafter.config.hidden_size * worker.head_weight.shape[0]
     row = results.add(
         "peers", f"{shape_kind}:{variant}", **t, tflops=flops / t["ms"] / 1e9,
         mfu_pct=100 * flops / t["ms"] / 1e9 / ceiling if ceiling else None,
         tokens_per_s=config.data.max_length / t["ms"] * 1e3, peak_gib=peak_gib(device),
         loss_first_last=[losses[0], losses[-1]], steps=len(losses), step_tflop=flops / 1e12,
-        fp8_share_pct=100 * head_flops / flops if config.speed.fp8_lm_head else 0.0,
+        fp8_share_pct=100 * fp8_flops / flops if config.speed.fp8_lm_head else 0.0,
         speed=dict(config.to_dict()["speed"]))
     worker = batch = None  # frees the GPU memory before the next variant
     free(device)
@@ -459,11 +462,13 @@ def curve_batch(config, dcfg, embed, device, step: int, seed: int = 7, noise: fl
         tokens=seq)
 
 
-def run_curves(results, device, smoke, cache_dir, steps, shape_kind="8b", window=20):
+def run_curves(results, device, smoke, cache_dir, steps, shape_kind="8b", window=20,
+               variants=("ours+all",)):
+    """Each of `variants` against "ours" (every switch off): the same batches in the same order,
+    the learning-rate schedule of a run of `steps` steps (warm-up 4%, cosine)."""
     curves = {}
-    for variant in ("ours", "ours+all"):
+    for variant in ("ours", *variants):
         free(device)
-        # the learning-rate schedule of a run of `steps` steps (warm-up 4%, cosine)
         worker, _, _, config = our_worker(variant, shape_kind, device, smoke, cache_dir, seed=3,
                                           extra=[f"train.max_steps={steps}"])
         losses = []
@@ -477,17 +482,18 @@ def run_curves(results, device, smoke, cache_dir, steps, shape_kind="8b", window
         print(f"curve {variant}: {steps} steps in {time.perf_counter() - t0:.1f} s, loss "
               f"{losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
         worker = batch = None
-    base, fast = curves["ours"], curves["ours+all"]
-    means = [(statistics.fmean(base[i:i + window]), statistics.fmean(fast[i:i + window]))
-             for i in range(0, steps, window)]
-    rel = [abs(f - b) / abs(b) for b, f in means]
-    step_rel = [abs(f - b) / abs(b) for b, f in zip(base, fast, strict=True)]
-    results.add("curve", f"{shape_kind}:{'cpu' if device == 'cpu' else 'gpu'}", steps=steps,
-                max_rel_diff_window_pct=100 * max(rel), max_rel_diff_step_pct=100 * max(step_rel),
-                final_window=[means[-1][0], means[-1][1]],
-                windows=[[round(b, 4), round(f, 4)] for b, f in means],
-                note=f"{window}-step means, every switch off vs on (on CPU: compile_layers off)")
-    free(device)
+        free(device)
+    where = "cpu" if device == "cpu" else "gpu"
+    for variant in variants:
+        gap = curve_gap([curves["ours"]], [curves[variant]], window)
+        step_rel = [abs(f - b) / abs(b) for b, f in zip(curves["ours"], curves[variant], strict=True)]
+        results.add("curve", f"{shape_kind}:{where}:{variant}", steps=steps,
+                    max_rel_diff_window_pct=gap["max_abs_pct"], signed_pct=gap["signed_pct"],
+                    max_rel_diff_step_pct=100 * max(step_rel), windows=gap["windows"],
+                    losses=[round(x, 5) for x in curves[variant]],
+                    base_losses=[round(x, 5) for x in curves["ours"]],
+                    note=f"{window}-step means, {variant} vs every switch off (on CPU: "
+                         "compile_layers off)")
 
 
 # ----------------------------------------------------------------------------- main
@@ -526,6 +532,8 @@ def main() -> int:
     parser.add_argument("--peers", default=",".join(PEERS))
     parser.add_argument("--profile-variants", default="ours")
     parser.add_argument("--curve-steps", type=int, default=300)
+    parser.add_argument("--curve-variants", default="ours+all",
+                        help="our variants whose curves are compared with ours (all off)")
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda:0"
     if args.smoke:
@@ -561,7 +569,8 @@ def main() -> int:
                      max(4, args.iters // 2))
     if "curve" in only:
         try:
-            run_curves(results, device, args.smoke, cache_dir, args.curve_steps)
+            run_curves(results, device, args.smoke, cache_dir, args.curve_steps,
+                       variants=[v for v in args.curve_variants.split(",") if v])
         except Exception as exc:
             failed(results, "curve", "8b", exc)
     print_profiles(results)

@@ -43,9 +43,8 @@ def flex_kernel_options(head_dim: int | None) -> dict | None:
     return FLEX_KERNEL_OPTIONS.get(int(head_dim))
 
 
-def _ce_chunk(logits, labels, token_weights, need_grad: bool, fp8: bool = False):
-    """Weighted CE sum, argmax and (optionally) d(sum)/d(logits) for one chunk of bf16 logits;
-    with `fp8`, the gradient comes quantized by rows (speed.quantize_rows: e4m3, scale)."""
+def _ce_chunk(logits, labels, token_weights, need_grad: bool):
+    """Weighted CE sum, argmax and (optionally) d(sum)/d(logits) for one chunk of bf16 logits."""
     logits_f = logits.float()
     lse = torch.logsumexp(logits_f, dim=-1)
     target = logits_f.gather(1, labels[:, None]).squeeze(1)
@@ -56,13 +55,10 @@ def _ce_chunk(logits, labels, token_weights, need_grad: bool, fp8: bool = False)
     probs = torch.exp(logits_f - lse[:, None])
     onehot = torch.zeros_like(probs).scatter_(1, labels[:, None], 1.0)
     grad = (probs - onehot) * token_weights[:, None]
-    if fp8:
-        import speed
-        return loss, argmax, speed.quantize_rows(grad)
     return loss, argmax, grad.to(logits.dtype)
 
 
-_compiled: dict[tuple, object] = {}  # (need_grad, fp8) -> the compiled chunk (compile_lm_head_loss)
+_compiled: dict[bool, object] = {}  # need_grad -> the compiled chunk (compile_lm_head_loss)
 
 
 def compile_lm_head_loss() -> int:
@@ -70,27 +66,27 @@ def compile_lm_head_loss() -> int:
     behind COMPILE_LOCK; it runs compiled on CUDA only. Returns the number of regions compiled."""
     if not compile_safety.current_settings().enabled:
         return 0
-    for key in ((True, False), (False, False), (True, True)):
-        if key not in _compiled:
-            def chunk(lg, lb, w, _need=key[0], _fp8=key[1]):
-                return _ce_chunk(lg, lb, w, _need, _fp8)
-            _compiled[key] = compile_safety.safe_compile(
-                chunk, f"lm_head_ce_grad{int(key[0])}{'_fp8' if key[1] else ''}", dynamic=False)
+    for need_grad in (True, False):
+        if need_grad not in _compiled:
+            def chunk(lg, lb, w, _need=need_grad):
+                return _ce_chunk(lg, lb, w, _need)
+            _compiled[need_grad] = compile_safety.safe_compile(
+                chunk, f"lm_head_ce_grad{int(need_grad)}", dynamic=False)
     return len(_compiled)
 
 
-def _chunk_fn(device: torch.device, need_grad: bool, fp8: bool = False):
+def _chunk_fn(device: torch.device, need_grad: bool):
     """The compiled chunk function on CUDA once compile_lm_head_loss ran; eager otherwise."""
-    key = (need_grad, fp8 and need_grad)
-    compiled = _compiled.get(key)
+    compiled = _compiled.get(need_grad)
     if device.type != "cuda" or compiled is None:
-        return lambda lg, lb, w: _ce_chunk(lg, lb, w, *key)
+        return lambda lg, lb, w: _ce_chunk(lg, lb, w, need_grad)
     return compiled
 
 
 class _LMHeadCE(torch.autograd.Function):
     """sum_t w_t * CE(hidden_t @ W^T, label_t) with W frozen; grad wrt hidden made in forward.
-    With an `fp8` head (speed.Fp8Head) both products run in FP8."""
+    With an `fp8` head (speed.Fp8Head) the logits are its FP8 product; the gradient product
+    stays bf16 with the unquantized weight."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, token_weights, chunk: int, fp8=None):
@@ -103,7 +99,7 @@ class _LMHeadCE(torch.autograd.Function):
     @staticmethod
     def _run(ctx, hidden, weight, labels, token_weights, chunk, rows, need_grad, fp8):
         compute = hidden.to(weight.dtype)
-        fn = _chunk_fn(hidden.device, need_grad, fp8 is not None)
+        fn = _chunk_fn(hidden.device, need_grad)
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         argmax = torch.empty(rows, dtype=torch.long, device=hidden.device)
         grad_hidden = torch.empty_like(compute) if need_grad else None
@@ -114,10 +110,8 @@ class _LMHeadCE(torch.autograd.Function):
             part, argmax[start:stop], grad_logits = fn(logits, labels[start:stop],
                                                        token_weights[start:stop])
             loss += part
-            if need_grad and fp8 is None:
-                torch.matmul(grad_logits, weight, out=grad_hidden[start:stop])
-            elif need_grad:
-                grad_hidden[start:stop] = fp8.input_grad(*grad_logits)
+            if need_grad:  # (FP8 logits are bf16: a no-op cast unless the head is fp32)
+                torch.matmul(grad_logits.to(weight.dtype), weight, out=grad_hidden[start:stop])
         ctx.hidden_dtype = hidden.dtype
         ctx.save_for_backward(grad_hidden if need_grad else None)
         ctx.mark_non_differentiable(argmax)
@@ -135,7 +129,7 @@ def lm_head_loss(hidden, lm_head_weight, labels, valid, gamma: float, chunk: int
     """Same result as dflash_model.dflash_loss(draft_logits(hidden, W, N, bs), labels, valid, gamma).
 
     hidden [B, Q, H]; labels, valid [B, N, bs]; the LM head weight must be frozen. `fp8`: the
-    same head as a speed.Fp8Head (speed.fp8_lm_head), whose products replace the bf16 ones.
+    same head as a speed.Fp8Head (speed.fp8_lm_head), whose FP8 product gives the logits.
     """
     if lm_head_weight.requires_grad:
         raise ValueError("lm_head_loss needs a frozen LM head (weight.requires_grad is True)")

@@ -9,6 +9,11 @@ AutoModelForCausalLM, AutoTokenizer from the directory).
 greedy answers follow the data's patterns (useful when the data is regenerated with the target's
 own outputs: a purely random target answers with noise). Default 0: purely random.
 
+--hidden-size/--layers/--vocab-size scale it up (the tokenizer stays the same; the vocabulary is
+padded): `--hidden-size 4096 --vocab-size 151936` has Qwen3-8B's layer and LM-head shapes (head_dim
+128, 32 heads, 8 KV heads, MLP 12288), for a GPU run of the real scripts at a real drafter shape.
+`--device cuda --dtype bfloat16` builds it there.
+
     python remote_scripts/make_tiny_target.py --out DIR [--fit-steps 0] [--seed 0]
 """
 
@@ -34,9 +39,23 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-EMBED_STD = 0.25
+EMBED_ROW_NORM = 2.0  # std 0.25 at hidden 64
 MODEL_SIZE = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=6,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+
+
+def model_size(hidden_size: int | None = None, layers: int | None = None) -> dict:
+    """MODEL_SIZE, or scaled to `hidden_size` (MLP 3x, head_dim 128 from 1024 on, KV heads a
+    quarter of the heads) and `layers`."""
+    size = dict(MODEL_SIZE)
+    if hidden_size and hidden_size != size["hidden_size"]:
+        head_dim = 128 if hidden_size >= 1024 else 16
+        heads = hidden_size // head_dim
+        size.update(hidden_size=hidden_size, intermediate_size=3 * hidden_size, head_dim=head_dim,
+                    num_attention_heads=heads, num_key_value_heads=max(1, heads // 4))
+    if layers:
+        size["num_hidden_layers"] = layers
+    return size
 
 
 def build_tokenizer():
@@ -56,22 +75,30 @@ def build_tokenizer():
     return fast
 
 
-def build_model(tokenizer, seed: int):
+def build_model(tokenizer, seed: int, size: dict | None = None, vocab_size: int | None = None,
+                device: str = "cpu", dtype: torch.dtype = torch.float32):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    size = size or MODEL_SIZE
     torch.manual_seed(seed)
-    vocab_size = -(-len(tokenizer) // 64) * 64  # rounded up, as real checkpoints pad the vocab
+    padded = -(-len(tokenizer) // 64) * 64  # rounded up, as real checkpoints pad the vocab
     config = Qwen3Config(
-        vocab_size=vocab_size, max_position_embeddings=2048, tie_word_embeddings=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        vocab_size=max(padded, vocab_size or 0), max_position_embeddings=2048,
+        tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, **MODEL_SIZE,
+        pad_token_id=tokenizer.pad_token_id, **size,
     )
-    model = Qwen3ForCausalLM(config).eval()
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Qwen3ForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(old)
     with torch.no_grad():
         # Tied head: with the default 0.02 init every logit is ~0 and the softmax is flat, unlike
         # a trained model's head; rows of norm ~2 give logits of a realistic range.
-        model.get_input_embeddings().weight.normal_(0.0, EMBED_STD)
+        model.get_input_embeddings().weight.normal_(0.0, EMBED_ROW_NORM / size["hidden_size"] ** 0.5)
     return model
 
 
@@ -104,10 +131,16 @@ def main():
                         help="train on the synthetic data this many steps (0: purely random)")
     parser.add_argument("--fit-data", default=os.path.join(os.path.dirname(
         os.path.abspath(__file__)), "data", "train.jsonl"))
+    parser.add_argument("--hidden-size", type=int, help="scale up (default 64)")
+    parser.add_argument("--layers", type=int, help="number of layers (default 6)")
+    parser.add_argument("--vocab-size", type=int, help="pad the vocabulary to this size")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
 
     tokenizer = build_tokenizer()
-    model = build_model(tokenizer, args.seed)
+    model = build_model(tokenizer, args.seed, model_size(args.hidden_size, args.layers),
+                        args.vocab_size, args.device, getattr(torch, args.dtype))
     if args.fit_steps > 0:
         fit(model, tokenizer, args.fit_data, args.fit_steps, args.seed)
     # Written beside the destination and renamed into place: a full /dev/shm must not leave a

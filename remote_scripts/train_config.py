@@ -163,7 +163,7 @@ class SpeedConfig:
     """Speed switches of the drafter step (remote_scripts/speed.py says what each one does)."""
     compile_layers: bool = False     # torch.compile each draft layer (CUDA, compile.enabled, flex)
     param_dtype: str = "float32"     # bfloat16: bf16 parameters, fp32 master weights in AdamW
-    fp8_lm_head: bool = False        # e4m3 (row-scaled) products through the frozen LM head
+    fp8_lm_head: bool = False        # the frozen LM head's logits in e4m3 (row-scaled)
 
     def __post_init__(self):
         _check_types(self, "speed")

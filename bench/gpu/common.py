@@ -85,3 +85,23 @@ class Results:
 
 def _fmt(value) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def curve_gap(base: list[list[float]], fast: list[list[float]], window: int = 20) -> dict:
+    """Issue 37's numerics metric: two sets of training-loss curves (one per seed, the same seeds,
+    data and steps in both), averaged over the seeds step by step, then cut into `window`-step
+    windows; the relative difference (fast - base) / base of each window's mean. Returns the
+    largest |difference| in percent, the signed differences and the window means."""
+    base_mean = [statistics.fmean(v) for v in zip(*base, strict=True)]
+    fast_mean = [statistics.fmean(v) for v in zip(*fast, strict=True)]
+    if len(base_mean) != len(fast_mean) or not base_mean:
+        raise ValueError(f"curves of {len(base_mean)} and {len(fast_mean)} steps")
+    windows = []
+    for start in range(0, len(base_mean), window):
+        b = statistics.fmean(base_mean[start:start + window])
+        f = statistics.fmean(fast_mean[start:start + window])
+        windows.append((b, f, (f - b) / abs(b)))
+    return {"max_abs_pct": 100 * max(abs(r) for _, _, r in windows),
+            "signed_pct": [round(100 * r, 2) for _, _, r in windows],
+            "windows": [[round(b, 4), round(f, 4)] for b, f, _ in windows],
+            "window": window, "seeds": len(base), "steps": len(base_mean)}

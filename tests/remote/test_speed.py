@@ -35,25 +35,28 @@ def test_quantize_rows_keeps_each_row_within_e4m3_precision():
     assert 1e-3 < rel < 0.04  # e4m3 has 3 mantissa bits: ~2-3% per element, never exact
 
 
-def test_fp8_head_products_match_the_bf16_head():
+def test_fp8_head_logits_match_the_bf16_head():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(500, 64, generator=g) * 0.05
     h = torch.randn(32, 64, generator=g)
     head = speed.Fp8Head(w)
-    assert _rel(head.logits(h).float(), h @ w.t()) < 0.05
-    grad = torch.randn(32, 500, generator=g) * 1e-3
-    assert _rel(head.input_grad(*speed.quantize_rows(grad)).float(), grad @ w) < 0.05
+    assert 1e-3 < _rel(head.logits(h).float(), h @ w.t()) < 0.05
 
 
-@pytest.mark.parametrize("seed,chunk", [(0, 7), (1, None)])
-def test_lm_head_loss_in_fp8_is_within_a_percent_of_bf16(seed, chunk):
+def _lm_head_case(seed, vocab=400, hidden=64):
     g = torch.Generator().manual_seed(seed)
-    batch, blocks, bs, hidden, vocab = 2, 6, 4, 64, 400
+    batch, blocks, bs = 2, 6, 4
     h = torch.randn(batch, blocks * bs, hidden, generator=g)
     w = torch.randn(vocab, hidden, generator=g) / hidden ** 0.5 * 3
     labels = torch.randint(0, vocab, (batch, blocks, bs), generator=g)
     valid = torch.ones(batch, blocks, bs)
     valid[:, :, 0] = 0
+    return h, w, labels, valid
+
+
+@pytest.mark.parametrize("seed,chunk", [(0, 7), (1, None)])
+def test_lm_head_loss_in_fp8_is_within_a_percent_of_bf16(seed, chunk):
+    h, w, labels, valid = _lm_head_case(seed)
     h_ref = h.clone().requires_grad_(True)
     ref, ref_stats = fast_paths.lm_head_loss(h_ref, w, labels, valid, 3.0, chunk=chunk)
     ref.backward()
@@ -62,9 +65,33 @@ def test_lm_head_loss_in_fp8_is_within_a_percent_of_bf16(seed, chunk):
                                           fp8=speed.Fp8Head(w))
     (loss * 2.0).backward()
     assert abs(loss.item() - ref.item()) / ref.item() < 0.01
-    assert loss.item() != ref.item()  # the FP8 products did run
+    assert loss.item() != ref.item()  # the FP8 product did run
     assert _rel(h_fp8.grad, 2.0 * h_ref.grad) < 0.08
     assert stats["slot_count"] == ref_stats["slot_count"]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fp8_head_input_gradient_uses_the_unquantized_head(seed):
+    """speed.fp8_lm_head quantizes the logits' product only: d loss / d hidden is the softmax
+    gradient of the FP8 logits times the head W itself (bf16 product). The gradient through an
+    e4m3 copy of W (2.7% error per element, the same every step) biased the tiny run's training
+    loss low by 1-3% over 300 steps; the gradient product through W moves it no more than a
+    change of rounding does (bench/RESULTS.md, bench_numerics.py)."""
+    h, w, labels, valid = _lm_head_case(seed, vocab=2000)
+    head = speed.Fp8Head(w)
+    h_fp8 = h.clone().requires_grad_(True)
+    loss, _ = fast_paths.lm_head_loss(h_fp8, w, labels, valid, 3.0, chunk=5, fp8=head)
+    loss.backward()
+    # reference: the same FP8 logits, the loss by autograd in fp32, its gradient through W
+    logits = head.logits(h.reshape(-1, h.shape[-1])).float().requires_grad_(True)
+    ref, _ = objective.dflash_loss(logits.view(*labels.shape, -1), labels, valid, 3.0)
+    ref.backward()
+    assert abs(loss.item() - ref.item()) < 1e-5 * ref.item()
+    expected = (logits.grad.to(torch.bfloat16).to(w.dtype) @ w).view_as(h)  # bf16 like the logits
+    assert _rel(h_fp8.grad, expected) < 1e-3
+    quantized_w = speed.quantize_rows(w.t())  # what an FP8 gradient product would use
+    through_fp8 = (logits.grad @ (quantized_w[0].float() * quantized_w[1]).t()).view_as(h)
+    assert _rel(through_fp8, expected) > 1e-2  # the check above tells the two apart
 
 
 def test_master_adamw_is_fp32_adamw_on_the_masters():

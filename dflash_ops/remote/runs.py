@@ -426,7 +426,7 @@ def open_segment(directory, kind, name, **extra):
     size before that line (where the segment's log starts)."""
     previous = read_segments(directory)
     now = int(time.time())
-    with open(os.path.join(directory, "train.log"), "ab") as f:
+    with open(os.path.join(directory, LOG_FILE), "ab") as f:
         offset = f.tell()
         word = "restart" if kind == "restart" else "launch"
         f.write((f"dflash-ops: {word} {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(now))} of "
@@ -480,7 +480,7 @@ def restart_reason(directory, code, segment, policy):
         except (re.error, TypeError):
             continue
     start = (segment or {}).get("log_offset") or 0
-    data, at = read_end(os.path.join(directory, "train.log"), TAIL_WINDOW)
+    data, at = read_end(os.path.join(directory, LOG_FILE), TAIL_WINDOW)
     data = data or b""
     if at < start:  # the segment's own lines only
         data, at = data[start - at:], start
@@ -493,7 +493,7 @@ def restart_reason(directory, code, segment, policy):
 
 
 def _note(directory, text):
-    with open(os.path.join(directory, "train.log"), "ab") as f:
+    with open(os.path.join(directory, LOG_FILE), "ab") as f:
         f.write((text + "\n").encode("utf-8", "replace"))
 
 

@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -90,18 +89,27 @@ def test_eval_json_with_backslashes_and_newlines_is_read_whole(runs):
     assert st.last_eval["acceptance_length"] == 2.5 and st.last_eval["prompts"] == 4
 
 
-def test_status_of_a_live_run_and_of_none(runs):
+def test_status_of_a_live_run_and_of_none(runs, tmp_path):
     assert status.parse_status(answer_text("status", runs=str(runs), name=None)).state == "none"
     assert status.parse_status(answer_text("status", runs=str(runs), name="nope")).state == "missing"
-    make_run(runs, "live", {"pid": "5", "pgid": "4", "started": str(int(time.time()))},
-             metrics='{"kind": "train", "step": 7, "loss": 1.5}\n{"kind": "train", "ste')
-    lock = HeldLock(runs)
+    assert launch(runs, tmp_path, name="live")["outcome"] == "started"
+    (runs / "live" / "metrics.jsonl").write_text('{"kind": "train", "step": 7, "loss": 1.5}\n'
+                                                 '{"kind": "train", "ste')
+    make_run(runs, "other", {"pid": "5", "exit_code": "1\n"})  # .current names it: still not the alive run
     try:
         st = status.parse_status(answer_text("status", runs=str(runs), name=None))
+        assert status.parse_status(answer_text("status", runs=str(runs), name="other")).state == "crashed"
+    finally:
+        assert call("stop", runs=str(runs), name="live", grace=5)["outcome"] == "term"
+    assert (st.run, st.state, st.step, st.loss) == ("live", "running", 7, 1.5)
+    assert status.parse_status(answer_text("status", runs=str(runs), name="live")).state == "stopped"
+    # A process holding the lock that is no run's wrapper makes no run alive, whatever .current says.
+    lock = HeldLock(runs)
+    try:
+        assert status.parse_status(answer_text("status", runs=str(runs), name="other")).state == "crashed"
+        assert prelude.alive_run(str(runs)) == "?"
     finally:
         lock.release()
-    assert (st.run, st.state, st.step, st.loss) == ("live", "running", 7, 1.5)
-    assert status.parse_status(answer_text("status", runs=str(runs), name="live")).state == "crashed"
 
 
 def test_huge_files_are_read_from_their_end_within_the_caps(runs):
@@ -315,16 +323,14 @@ def test_wait_streams_new_lines_until_the_first_step(runs, tmp_path, capsys):
 # --- stop signals only a group it has proven to be this run's ---------------------------------------------
 
 @pytest.mark.parametrize("pgid", ["0", "1", "own", "other", "-5", "", "12 34"])
-def test_stop_refuses_a_group_it_cannot_prove(runs, pgid):
+def test_stop_refuses_a_group_it_cannot_prove(runs, tmp_path, pgid):
     other = subprocess.Popen(["sleep", "60"], start_new_session=True)  # a live group that is not the run's
+    launch(runs, tmp_path, name="victim")  # alive: its wrapper holds the lock; its pgid file then lies
+    real = (runs / "victim" / "pgid").read_text()
     try:
         value = {"own": str(os.getpgrp()), "other": str(other.pid)}.get(pgid, pgid)
-        make_run(runs, "victim", {"pgid": value + "\n", "pid": "1"})
-        lock = HeldLock(runs)
-        try:
-            answer = call("stop", runs=str(runs), name="victim", grace=0)
-        finally:
-            lock.release()
+        (runs / "victim" / "pgid").write_text(value + "\n")
+        answer = call("stop", runs=str(runs), name="victim", grace=0)
         assert (answer["error"], answer["run"]) == ("unproven", "victim"), answer
         assert "\n" not in answer["message"]
         assert other.poll() is None  # the other group survived
@@ -332,19 +338,21 @@ def test_stop_refuses_a_group_it_cannot_prove(runs, pgid):
     finally:
         other.kill()
         other.wait()
+        (runs / "victim" / "pgid").write_text(real)
+        assert call("stop", runs=str(runs), name="victim", grace=5)["outcome"] == "term"
 
 
-def test_stop_refuses_a_wrapper_of_another_run(runs, tmp_path):
+def test_stop_signals_no_wrapper_of_another_run(runs, tmp_path):
     launch(runs, tmp_path, name="real")
     try:
         pgid = (runs / "real" / "pgid").read_text()
         make_run(runs, "impostor", {"pgid": pgid})  # .current now names it; the lock is real's
         answer = call("stop", runs=str(runs), name="impostor", grace=0)
-        assert answer["error"] == "unproven" and "not this run's wrapper" in answer["message"]
+        assert (answer["outcome"], answer["run"]) == ("notalive", "impostor"), answer
         assert container_runs.group_alive(int(pgid))
+        assert call("stop", runs=str(runs), name=None, grace=5)["outcome"] == "term"  # the alive one: real
     finally:
-        (runs / ".current").write_text("real\n")
-        assert call("stop", runs=str(runs), name="real", grace=5)["outcome"] == "term"
+        call("stop", runs=str(runs), name="real", grace=5)
 
 
 def test_serve_answers_one_json_line_even_for_bad_input(capsys):

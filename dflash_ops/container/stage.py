@@ -13,9 +13,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from .. import commands
+from .. import commands, payload
 from ..errors import DflashOpsError, ExitStatus, UsageError
 from ..inventory import Container
+from ..remote.ship import ANSWER_CAP
 from ..target import Target
 
 STAMP = ".dflash-staged"  # in paths.model: the sha256 of the manifest it was staged from
@@ -108,12 +109,16 @@ FAILURES = {
 }
 
 
-def stage(t: Target, record: bool = False) -> Staged | None:
+def stage(t: Target, record: bool = False, timeout: float | None = None) -> Staged | None:
+    """Stage (or --record) within `timeout` s (payload.TIMEOUTS' by default)."""
     ct = t.container
+    timeout = payload.timeout_of("stage", timeout)
     script = RECORD_SCRIPT if record else STAGE_SCRIPT
     started = time.monotonic()
-    result = t.session.exec(ct, commands.sh_script(script, store(ct), ct.paths.model, manifest_path(ct)),
-                            env={"PATH": commands.SYSTEM_PATH}, check=False)
+    with payload.deadline(ct, "recording the store's checksums" if record else "staging", timeout):
+        result = t.session.exec(ct, commands.sh_script(script, store(ct), ct.paths.model, manifest_path(ct)),
+                                env={"PATH": commands.SYSTEM_PATH}, check=False, timeout=timeout,
+                                limit=ANSWER_CAP)
     seconds = time.monotonic() - started
     if t.dry_run:
         return None

@@ -519,8 +519,10 @@ def metrics(t, run=None, plot=None, n=20, ct=None, inventory=None, dry_run=False
 @op_task(help={"run": "run name", "to": "local directory (DIR/config.json, DIR/model.safetensors)",
                "checkpoint": "latest or step-N", "force": "replace the checkpoint's files in a non-empty DIR",
                "with_state": "also bring training_state.pt (optimizer state, about twice the weights)",
-               "timeout": "seconds for each file's transfer (default: 300 plus the bytes moved at 5 MiB/s)"})
-def fetch(t, run, to, checkpoint="latest", force=False, with_state=False, timeout=0.0, ct=None,
+               "timeout": "seconds for each file's transfer (default: 300 plus the bytes moved at 5 MiB/s)",
+               "max_size": "the largest checkpoint to accept, e.g. 20G or 512M (default: its expected size, "
+                           "counted from its config.json, x1.5 + 64 MiB, at most 64 GiB)"})
+def fetch(t, run, to, checkpoint="latest", force=False, with_state=False, timeout=0.0, max_size=None, ct=None,
           inventory=None, dry_run=False):
     """Bring a checkpoint back from the container, verified by sha256 computed in the container.
 
@@ -528,12 +530,16 @@ def fetch(t, run, to, checkpoint="latest", force=False, with_state=False, timeou
     temporary directory inside DIR, and is renamed into DIR only when its size and sha256 match the
     container's. DIR then loads with `DFlashDraftModel.from_pretrained(DIR)`. Names and the
     checkpoint directory are never taken from the container; a file claiming more than twice what it
-    occupies there (a sparse file) is refused, and the checkpoint must fit DIR's free space. Refuses a
-    non-empty DIR unless --force.
+    occupies there (a sparse file) is refused, and the checkpoint must fit DIR's free space. Its size
+    is capped: --max-size, or by default the size its config.json's drafter should take (its
+    parameters at its dtype; with --with-state the optimizer's moments too) x1.5 + 64 MiB, at most
+    64 GiB; a config.json that describes no drafter needs --max-size. Past the cap nothing more
+    moves and nothing stays in DIR (exit 11). Refuses a non-empty DIR unless --force.
     """
     from dflash_ops import fetch as fetch_mod
 
-    return fetch_mod.fetch(t, run, to, checkpoint, bool(force), bool(with_state), timeout=timeout)
+    return fetch_mod.fetch(t, run, to, checkpoint, bool(force), bool(with_state), timeout=timeout,
+                           max_size=max_size)
 
 
 sandbox_ns = Collection("sandbox")

@@ -30,7 +30,8 @@ class ExitStatus(IntEnum):
                             "`stage`: the target's copy does not match its recorded sha256")
     NOT_LOSSLESS = 10, "`eval`: speculative decoding changed the target's greedy output"
     UNTRUSTED = 11, ("what the container wrote was refused as unsafe (`fetch`: a checkpoint outside the run, "
-                     "a symlink, a name that is not the checkpoint's)")
+                     "a symlink, a name that is not the checkpoint's, a sparse file, a checkpoint past "
+                     "`--max-size` or its expected size)")
     PREFLIGHT = 12, ("`train`: a preflight check failed in the container (the line names the fix); "
                      "nothing was launched")
     TIMED_OUT = 13, ("a task's work on the host or in the container ran past its deadline (`--timeout`, "

@@ -188,3 +188,34 @@ def test_the_alive_run_is_the_one_holding_the_lock_whatever_current_names(box, c
 def json_of(r: subprocess.CompletedProcess) -> dict:
     assert r.returncode == 0, r.stdout + r.stderr
     return json.loads(r.stdout)
+
+
+def test_following_a_line_of_64_mib_is_cut_and_holds_bounded_memory(box, clean, tmp_path):
+    """From inside the container, a run logs one line of 64 MiB without a break: `logs --follow` once
+    took 281 s for 16 MiB (quadratic) and grew with everything it followed. It shows the line cut,
+    follows on, and its peak memory is the CLI's own."""
+    holder = start_alive(box, "long")
+    sh(box, 'head -c 67108864 /dev/zero | tr "\\0" x >> "$1" && printf "\\nafter the long line\\n" >> "$1"',
+       f"{RUNS}/long/train.log")
+    out, rss = tmp_path / "follow.out", tmp_path / "rss"
+    try:
+        with out.open("w") as sink:
+            follow = subprocess.Popen(["/usr/bin/time", "-f", "%M", "-o", str(rss),
+                                       *box.invoke_argv("logs", "--follow", "--run", "long", "-n", "3")],
+                                      cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, text=True)
+        try:
+            wait_for("the line after the long one", lambda: "after the long line" in out.read_text()
+                     or follow.poll() is not None, timeout=120, every=0.5)
+            sh(box, f"touch {RUNS}/long/end-now")
+            assert follow.wait(timeout=120) == 0, out.read_text()[-2000:]
+        finally:
+            follow.kill()
+    finally:
+        holder.kill()
+        sh(box, f"touch {RUNS}/long/end-now; pkill -f '^sh /root/runs/long/run.sh'; true")
+    lines = out.read_text().splitlines()
+    assert "after the long line" in lines and any("the end of alive" in line for line in lines), lines[-5:]
+    longest = max(len(line) for line in lines)
+    assert 1000 < longest < 10_000, longest  # shown, cut (the follower keeps LINE_CAP characters)
+    peak_kib = int(rss.read_text().split()[-1])
+    assert peak_kib < 200 * 1024, peak_kib  # the CLI's own, not the 64 MiB line

@@ -50,13 +50,13 @@ def timeout_of(task: str, given: float | None = None) -> float:
 
 
 @contextmanager
-def deadline(ct: Container, what: str, timeout: float):
+def deadline(ct: Container, what: str, timeout: float, fix: str = "give a longer --timeout"):
     """The transport's TimedOut as the task's one line: what ran past which deadline, and the fix."""
     try:
         yield
     except TimedOut:
         raise TimedOut(f"{ct.label}: {what} ran past its deadline of {timeout:g} s and was ended in the "
-                       "container (its process group with it); give a longer --timeout") from None
+                       f"container (its process group with it); {fix}") from None
 
 
 # --- argv builders (pure) --------------------------------------------------------------------------
@@ -182,7 +182,8 @@ def require(t, needs: Sequence[Need]) -> None:
         if need.test not in ("d", "f", "e"):
             raise ValueError(f"test {need.test!r}")
         args += [str(i), need.test, need.path]
-    with deadline(ct, "checking the paths the task needs", REQUIRE_TIMEOUT_S):
+    with deadline(ct, "checking the paths the task needs", REQUIRE_TIMEOUT_S,
+                  "a test(1) of a few paths hung there: check its file systems (`invoke doctor`)"):
         result = t.session.exec(ct, commands.sh_script(NEEDS_SCRIPT, *args),
                                 env={"PATH": commands.SYSTEM_PATH}, cwd=ct.paths.code, check=False,
                                 timeout=REQUIRE_TIMEOUT_S)

@@ -7,6 +7,7 @@ import signal
 import pytest
 from training_runs import LONG, deployed  # noqa: F401 (deployed: the module's container)
 
+from dflash_ops import sandbox as sandbox_mod
 from dflash_ops.errors import ExitStatus
 
 pytestmark = pytest.mark.integration
@@ -110,14 +111,19 @@ def sshd_session_of(deployed):
     def cmdline(p):
         return open(f"/proc/{p}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
 
+    lxc = sandbox_mod.lxcpath(deployed.sandbox.host("pve1").dir)
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             cmd = cmdline(int(entry))
         except OSError:
             continue
-        # pct exec becomes `lxc-attach ... -- <the container's argv>` (pct execs it, as pve-container):
-        # the host process whose argv runs the runs helper's follow verb, under an sshd session
-        if " follow {" in cmd and ("lxc-attach " in cmd or f"{deployed.sandbox.pct} exec 200 " in cmd):
+        # pct exec becomes `lxc-attach -P <lxcpath> ... -- <the container's argv>` (pct execs it, as
+        # pve-container): the host process whose argv runs the runs helper's follow verb, under an sshd
+        # session. Of this sandbox only (its lxcpath): a follower of another sandbox on the machine (an
+        # xdist worker's, another checkout's) is not ours to kill; it once was, and that follow ended
+        # with `exit -1` in test_jobs and test_launch.
+        if " follow {" in cmd and (cmd.startswith(f"/usr/bin/lxc-attach -P {lxc} -n 200 ")
+                                   or f"{deployed.sandbox.pct} exec 200 " in cmd):
             p = int(entry)
             while p > 1:
                 if cmdline(p).startswith("sshd: root@"):

@@ -4,10 +4,12 @@ the answers the local parsers read, forged facts that stay data, and `stop`'s pr
 import fcntl
 import json
 import os
+import signal
 import subprocess
 import sys
 
 import pytest
+from waiting import wait_for
 
 from dflash_ops import status
 from dflash_ops.remote import prelude
@@ -60,6 +62,22 @@ class HeldLock:
 
     def release(self):
         self.f.close()
+
+
+class Wrapper:
+    """A live run as its processes are: its wrapper (`sh <run>/run.sh`, flock's child: it inherits the
+    lock's fd) holds the runs lock, which makes the run alive (prelude.lock_holder_run)."""
+
+    def __init__(self, runs, name):
+        (runs / name / "run.sh").write_text("sleep 60\n")
+        self.p = subprocess.Popen(["flock", str(runs / ".lock"), "sh", str(runs / name / "run.sh")],
+                                  start_new_session=True)
+        wait_for("the wrapper to hold the lock", lambda: prelude.alive_run(str(runs)) == name, timeout=30,
+                 every=0.05)
+
+    def release(self):
+        os.killpg(self.p.pid, signal.SIGKILL)
+        self.p.wait()
 
 
 KILLED = {"pid": "487\n", "pgid": "484\n", "started": "1795954052\n", "ended": "1795954068\n",
@@ -186,7 +204,7 @@ def test_status_of_a_resumed_run_is_of_its_current_segment_only(runs):
 
 def test_a_resumed_run_alive_has_an_eta_from_this_segments_rate(runs):
     resumed_run(runs, stopped=False)
-    lock = HeldLock(runs)
+    lock = Wrapper(runs, "r1")
     try:
         answer = call("status", runs=str(runs), name="r1")
     finally:

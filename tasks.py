@@ -11,6 +11,13 @@ from invoke import Collection
 from dflash_ops import cli
 from dflash_ops.cli import ROWS, op_task
 from dflash_ops.errors import UsageError
+from dflash_ops.payload import TIMEOUTS
+
+
+def timeout_help(task: str) -> str:
+    """--timeout's help, the same words in every task (payload.py, "deadlines")."""
+    return (f"seconds its work in the container may take before it is ended there, its process group "
+            f"with it (exit 13; default {TIMEOUTS[task]:g})")
 
 
 # --- host keys ------------------------------------------------------------------------------------
@@ -141,8 +148,8 @@ def shell(t, ct=None, inventory=None, dry_run=False):
     return shell_mod.shell(t)
 
 
-@op_task(name="exec")
-def exec_command(t, ct=None, inventory=None, dry_run=False):
+@op_task(name="exec", help={"timeout": timeout_help("exec")})
+def exec_command(t, ct=None, inventory=None, dry_run=False, timeout=None):
     """Run one command in the container with the run environment: `invoke exec --ct 200 -- CMD ARG...`.
 
     Everything after `--` is the command, each argument as given (no shell: write `-- sh -c '...'` for
@@ -154,12 +161,13 @@ def exec_command(t, ct=None, inventory=None, dry_run=False):
 
     from dflash_ops.container import shell as shell_mod
 
-    return shell_mod.execute(t, shell_mod.command_after_dashes(sys.argv))
+    return shell_mod.execute(t, shell_mod.command_after_dashes(sys.argv), timeout)
 
 
 @op_task(fan_out=ROWS, help={"record": "record the sha256 of every file of paths.model_store (once the store "
-                                        "is known good) instead of staging"})
-def stage(t, record=False, ct=None, group=None, inventory=None, dry_run=False):
+                                        "is known good) instead of staging",
+                             "timeout": timeout_help("stage")})
+def stage(t, record=False, ct=None, group=None, inventory=None, dry_run=False, timeout=None):
     """Put the target into paths.model (/dev/shm) from its persistent copy, verified by sha256.
 
     /dev/shm is emptied when the container restarts. This copies paths.model_store (the target's
@@ -170,15 +178,16 @@ def stage(t, record=False, ct=None, group=None, inventory=None, dry_run=False):
     """
     from dflash_ops.container import stage as stage_mod
 
-    return stage_mod.stage(t, record=bool(record))
+    return stage_mod.stage(t, record=bool(record), timeout=timeout)
 
 
 # --- training runs: warmup, train, logs, status, stop ----------------------------------------------
 @op_task(iterable=["set"], help={
     "config": "training config in the container, relative to paths.code (default: the inventory's "
               "train_config)",
-    "set": "override a config value, key=value (repeatable), passed to the script as given"})
-def warmup(t, config=None, set=None, ct=None, inventory=None, dry_run=False):
+    "set": "override a config value, key=value (repeatable), passed to the script as given",
+    "timeout": timeout_help("warmup")})
+def warmup(t, config=None, set=None, ct=None, inventory=None, dry_run=False, timeout=None):
     """Fill the compile cache the next run reads (same config, env and devices as train).
 
     Runs warmup_compile.py in the container in the foreground with exactly the config, --set
@@ -189,7 +198,7 @@ def warmup(t, config=None, set=None, ct=None, inventory=None, dry_run=False):
     """
     from dflash_ops import launch
 
-    launch.warmup(t, config, set or ())
+    launch.warmup(t, config, set or (), timeout=timeout)
 
 
 def _train_nodes(targets, run=None, config=None, set=None, max_steps=None, rdzv_port=29400, max_restarts=None,
@@ -445,9 +454,10 @@ def clean_cache(t, force=False, ct=None, group=None, dry_run=False, inventory=No
     "prompts": "chat JSONL in the container (default: the run's data.heldout)",
     "num_prompts": "how many held-out prompts (default 16)",
     "max_new_tokens": "longest answer per prompt (default 64)",
-    "device": "where the target and drafter run (default: the first target device)"})
+    "device": "where the target and drafter run (default: the first target device)",
+    "timeout": timeout_help("eval")})
 def eval_run(t, run, checkpoint="latest", prompts=None, num_prompts=None, max_new_tokens=None, device=None,
-             ct=None, inventory=None, dry_run=False):
+             ct=None, inventory=None, dry_run=False, timeout=None):
     """Measure a checkpoint with the official dflash inference code: lossless, acceptance, speedup.
 
     Runs eval_dflash.py in the container: the checkpoint is loaded with
@@ -461,14 +471,15 @@ def eval_run(t, run, checkpoint="latest", prompts=None, num_prompts=None, max_ne
     from dflash_ops import evaluate
 
     return evaluate.evaluate(t, run, checkpoint=checkpoint, prompts=prompts, num_prompts=num_prompts,
-                             max_new_tokens=max_new_tokens, device=device)
+                             max_new_tokens=max_new_tokens, device=device, timeout=timeout)
 
 
 @op_task(iterable=["set"], help={
     "write": "also write the best layout to this NEW file (inventory roles + config placement to merge)",
     "config": "training config in the container (default: the container's train_config)",
-    "set": "override a config value as training would, e.g. --set train.batch_size=2 (repeatable)"})
-def plan(t, write=None, config=None, set=None, ct=None, inventory=None, dry_run=False):
+    "set": "override a config value as training would, e.g. --set train.batch_size=2 (repeatable)",
+    "timeout": timeout_help("plan")})
+def plan(t, write=None, config=None, set=None, ct=None, inventory=None, dry_run=False, timeout=None):
     """Measure the target and a drafter step per GPU, then show which layout of the GPUs is fastest.
 
     Runs plan_layout.py in the container (about a minute, progress shown): the target's forward
@@ -481,7 +492,7 @@ def plan(t, write=None, config=None, set=None, ct=None, inventory=None, dry_run=
     """
     from dflash_ops import plan as plan_mod
 
-    return plan_mod.plan(t, config, set or (), write)
+    return plan_mod.plan(t, config, set or (), write, timeout=timeout)
 
 
 @op_task(iterable=["src"], help={
@@ -493,9 +504,10 @@ def plan(t, write=None, config=None, set=None, ct=None, inventory=None, dry_run=
     "limit": "only the first N rows of each file",
     "batch_size": "conversations decoded together (default 32)",
     "device": "where the target runs (default: the first target device)",
-    "target": "target checkpoint directory in the container (default: paths.model)"})
+    "target": "target checkpoint directory in the container (default: paths.model)",
+    "timeout": timeout_help("regenerate")})
 def regenerate(t, src=None, out_dir=None, max_new_tokens=None, limit=None, batch_size=None, device=None,
-               target=None, ct=None, inventory=None, dry_run=False):
+               target=None, ct=None, inventory=None, dry_run=False, timeout=None):
     """Rewrite a dataset's assistant turns with the target's own greedy answers, in the container.
 
     A drafter is scored on how often it guesses what the target says, so it should learn from what
@@ -507,7 +519,8 @@ def regenerate(t, src=None, out_dir=None, max_new_tokens=None, limit=None, batch
     from dflash_ops import evaluate
 
     return evaluate.regenerate(t, sources=src or (), out_dir=out_dir, max_new_tokens=max_new_tokens,
-                               limit=limit, batch_size=batch_size, device=device, target=target)
+                               limit=limit, batch_size=batch_size, device=device, target=target,
+                               timeout=timeout)
 
 
 @op_task(help={"run": "run name (default: the latest run)",
@@ -528,8 +541,10 @@ def metrics(t, run=None, plot=None, n=20, ct=None, inventory=None, dry_run=False
 @op_task(help={"run": "run name", "to": "local directory (DIR/config.json, DIR/model.safetensors)",
                "checkpoint": "latest or step-N", "force": "replace the checkpoint's files in a non-empty DIR",
                "with_state": "also bring training_state.pt (optimizer state, about twice the weights)",
-               "timeout": "seconds for each file's transfer (default: 300 plus the bytes moved at 5 MiB/s)"})
-def fetch(t, run, to, checkpoint="latest", force=False, with_state=False, timeout=0.0, ct=None,
+               "timeout": "seconds for each file's transfer (default: 300 plus the bytes moved at 5 MiB/s)",
+               "max_size": "the largest checkpoint to accept, e.g. 20G or 512M (default: its expected size, "
+                           "counted from its config.json, x1.5 + 64 MiB, at most 64 GiB)"})
+def fetch(t, run, to, checkpoint="latest", force=False, with_state=False, timeout=0.0, max_size=None, ct=None,
           inventory=None, dry_run=False):
     """Bring a checkpoint back from the container, verified by sha256 computed in the container.
 
@@ -537,12 +552,16 @@ def fetch(t, run, to, checkpoint="latest", force=False, with_state=False, timeou
     temporary directory inside DIR, and is renamed into DIR only when its size and sha256 match the
     container's. DIR then loads with `DFlashDraftModel.from_pretrained(DIR)`. Names and the
     checkpoint directory are never taken from the container; a file claiming more than twice what it
-    occupies there (a sparse file) is refused, and the checkpoint must fit DIR's free space. Refuses a
-    non-empty DIR unless --force.
+    occupies there (a sparse file) is refused, and the checkpoint must fit DIR's free space. Its size
+    is capped: --max-size, or by default the size its config.json's drafter should take (its
+    parameters at its dtype; with --with-state the optimizer's moments too) x1.5 + 64 MiB, at most
+    64 GiB; a config.json that describes no drafter needs --max-size. Past the cap nothing more
+    moves and nothing stays in DIR (exit 11). Refuses a non-empty DIR unless --force.
     """
     from dflash_ops import fetch as fetch_mod
 
-    return fetch_mod.fetch(t, run, to, checkpoint, bool(force), bool(with_state), timeout=timeout)
+    return fetch_mod.fetch(t, run, to, checkpoint, bool(force), bool(with_state), timeout=timeout,
+                           max_size=max_size)
 
 
 sandbox_ns = Collection("sandbox")

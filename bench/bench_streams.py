@@ -150,16 +150,18 @@ def follow_measured(argv, cwd, release) -> tuple[float, int, int]:
 
 
 def follow(args, cli, in_container, box, checkout) -> None:
-    """`logs --follow` of one long line and of the whole log, with the run alive (a process in the
-    container holds the runs lock, `.current` names the run) until the follower has printed it all:
+    """`logs --follow` of one long line and of the whole log, with the run alive (its wrapper in the
+    container holds the runs lock) until the follower has printed it all:
     the time is to the last byte, not the follower's end."""
     lock = f"{RUN}/../.lock"
     release_file = f"{RUN}/release"
 
     def hold():
-        in_container("rm", "-f", release_file)
-        holder = subprocess.Popen([str(box.pct), "exec", CT, "--", "flock", "-x", lock, "sh", "-c",
-                                   f'while [ ! -e {release_file} ]; do sleep 0.1; done'])
+        # the run's wrapper (`sh <run>/run.sh`, flock's child: it inherits the lock's fd) holds the lock
+        wrapper = f"while [ ! -e {release_file} ]; do sleep 0.1; done"
+        in_container("sh", "-c", f'rm -f {release_file} && echo "{wrapper}" > {RUN}/run.sh')
+        holder = subprocess.Popen([str(box.pct), "exec", CT, "--", "flock", "-x", lock, "sh",
+                                   f"{RUN}/run.sh"])
 
         def release():
             in_container("touch", release_file)

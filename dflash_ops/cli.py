@@ -265,7 +265,7 @@ def reports_errors(fn):
 # Number-valued flags whose default is None (so Invoke cannot tell they are numbers).
 NUMERIC_FLAGS = {"max_steps": int, "rdzv_port": int, "num_prompts": int, "max_new_tokens": int, "limit": int,
                  "max_restarts": int, "batch_size": int, "hosts": int, "grace": float, "stall_after": float,
-                 "interval": float, "keep": int, "hang_after": float, "every": float}
+                 "interval": float, "keep": int, "hang_after": float, "every": float, "timeout": float}
 
 
 def parse_numbers(fn):
@@ -305,7 +305,7 @@ def parse_numbers(fn):
 # an option of several tasks has the same letter in all of them (these, where Invoke's automatic
 # letters would differ); every other option gets Invoke's automatic letter.
 SHORT_FLAGS = {"ct": "c", "group": "g", "inventory": "i", "dry_run": "d", "run": "r", "device": "v",
-               "target": "t", "wait": "w"}
+               "target": "t", "wait": "w", "timeout": "T"}
 HELP_FLAG = "h"
 # `-n` is a count everywhere (`logs -n 200`, `metrics -n 50`): only a parameter named n has it. And a
 # dash is never a short flag (Invoke would pick the `-` of `min-free-shm`: `--=STRING` in the help).

@@ -36,6 +36,7 @@ from .transport import HostSession, Result
 
 SCRATCH = "/tmp/dflash-conformance.XXXXXX"
 PATH = {"PATH": commands.SYSTEM_PATH}
+CHECK_TIMEOUT_S = 120.0  # each command of the checks (the slowest: a 1 MiB pct push or pull)
 ARGV = ["a b", "'single'", '"double"', "$(touch /tmp/pwned)", "`id`", "-n", "", "line\nbreak", "*", "x=y",
         "\\", "--"]
 NON_ASCII = ["ü", "日本語", "emoji 🙂", "Ωmega=1"]
@@ -381,5 +382,6 @@ def run_checks(t: Target, stopped_ct=None) -> Report:
         raise UsageError(f"--stopped-ct {stopped.ctid} is on host {stopped.host.name}, --ct "
                          f"{t.container.ctid} on {t.container.host.name}: give a stopped container of the "
                          "same host")
+    t.session.default_timeout = CHECK_TIMEOUT_S  # every command of the checks: one that hangs is TimedOut
     with opened(t.session, t.container, stopped) as host:
         return Report(t.container, [run_check(host, c) for c in CHECKS])

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from . import commands, terminal
 from .container import real_target
-from .errors import DeployError
+from .errors import DeployError, TimedOut
 from .inventory import Container
 from .remote import readings
 from .remote import ship as remote
@@ -266,9 +266,10 @@ def deploy(t: Target, root: Path = REPO_ROOT, echo: Callable[[str], None] | None
         try:
             remote.streamed(t, "release", verb, payload, say, timeout=timeout, env=env)
         except remote.Refusal as refusal:
-            if refusal.kind in ("timeout", "failed"):
-                raise DeployError(f"{refusal}; re-run deploy"
-                                  + ("; the venv stays marked stale" if verb == "venv" else "")) from None
+            if refusal.kind in ("timeout", "failed"):  # a deadline is TimedOut, as in every task
+                error = TimedOut if refusal.kind == "timeout" else DeployError
+                raise error(f"{refusal}; re-run deploy"
+                            + ("; the venv stays marked stale" if verb == "venv" else "")) from None
             remote.raise_common(refusal)
 
     torch_check = "always" if check else "recorded"

@@ -30,9 +30,12 @@ class ExitStatus(IntEnum):
                             "`stage`: the target's copy does not match its recorded sha256")
     NOT_LOSSLESS = 10, "`eval`: speculative decoding changed the target's greedy output"
     UNTRUSTED = 11, ("what the container wrote was refused as unsafe (`fetch`: a checkpoint outside the run, "
-                     "a symlink, a name that is not the checkpoint's)")
+                     "a symlink, a name that is not the checkpoint's, a sparse file, a checkpoint past "
+                     "`--max-size` or its expected size)")
     PREFLIGHT = 12, ("`train`: a preflight check failed in the container (the line names the fix); "
                      "nothing was launched")
+    TIMED_OUT = 13, ("a task's work on the host or in the container ran past its deadline (`--timeout`, "
+                     "or the task's own): it was ended there, its process group with it")
     INTERRUPTED = 130, "interrupted with Ctrl-C"
     BROKEN_PIPE = 141, "the reader of the output went away (`head` closed the pipe): stopped quietly"
 
@@ -117,6 +120,12 @@ class RemoteCommandFailed(DflashOpsError, exit_status=ExitStatus.REMOTE_FAILED):
         super().__init__(message)
         self.exited = exited
         self.stderr_tail = stderr_tail
+
+
+class TimedOut(RemoteCommandFailed, exit_status=ExitStatus.TIMED_OUT):
+    """A command ran past its deadline. The transport closed its SSH session, and the session's end
+    ends the command's process group in the container (commands.SESSION_SCRIPT: the group it made
+    itself, never a pid read from the container)."""
 
 
 class DeployError(DflashOpsError, exit_status=ExitStatus.REMOTE_FAILED):

@@ -134,9 +134,11 @@ class Evaluation:
 EVAL_SUMMARY = "lossless "
 
 
-def evaluate(t, run: str, echo=print, **options) -> Evaluation | None:
-    """Run eval_dflash.py on run `run`; returns its Evaluation (None in a dry run)."""
+def evaluate(t, run: str, echo=print, timeout: float | None = None, **options) -> Evaluation | None:
+    """Run eval_dflash.py on run `run` within `timeout` s (payload.TIMEOUTS' by default); returns its
+    Evaluation (None in a dry run)."""
     run = runs.validate_run_name(run)
+    timeout = payload.timeout_of("eval", timeout)
     argv = eval_argv(t.container, run, **options)  # bad flags: one line before anything is sent
     try:
         payload.require(t, eval_needs(t.container, run, options.get("checkpoint") or "latest",
@@ -146,7 +148,7 @@ def evaluate(t, run: str, echo=print, **options) -> Evaluation | None:
 
         require_run(t, run)  # the one unknown-run line, with the runs there are
         raise
-    result, found = payload.run_script(t, argv, "evaluation", echo,
+    result, found = payload.run_script(t, argv, "evaluation", timeout, echo,
                                        ok=(0, EXIT_NOT_LOSSLESS), summary=(EVAL_SUMMARY,))
     if t.dry_run:
         return None
@@ -172,12 +174,14 @@ class Regenerated:
         return ", ".join(f"{stats['out']}: {stats['rows']} rows" for stats in self.files)
 
 
-def regenerate(t, echo=print, **options) -> Regenerated | None:
-    """Run regenerate_data.py in the container (None in a dry run)."""
+def regenerate(t, echo=print, timeout: float | None = None, **options) -> Regenerated | None:
+    """Run regenerate_data.py in the container within `timeout` s (payload.TIMEOUTS' by default);
+    None in a dry run."""
+    timeout = payload.timeout_of("regenerate", timeout)
     argv, _ = regenerate_argv(t.container, **options)
     payload.require(t, regenerate_needs(t.container, options.get("sources") or DEFAULT_SOURCES,
                                         options.get("target")))
-    _, found = payload.run_script(t, argv, "regeneration", echo)
+    _, found = payload.run_script(t, argv, "regeneration", timeout, echo)
     return None if t.dry_run else Regenerated(found)
 
 

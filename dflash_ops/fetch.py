@@ -8,8 +8,15 @@ and its numbers bound nothing here. Round trips: 1 + N for N files.
    size and the bytes it really occupies (`disk`: st_blocks x 512).
 2. before a byte moves: each file's size must be within its cap, twice the bytes it occupies on the
    container's disk plus 1 MiB (a sparse file would be written out here whole: a 3 GiB file of
-   holes occupies 2 MiB there; a compressing file system stays well inside 2x), and the whole must
-   fit the free space of `--to`'s file system with FREE_RESERVE to spare.
+   holes occupies 2 MiB there; a compressing file system stays well inside 2x); the whole must be
+   within the operator's `--max-size` when given, and fit the free space of `--to`'s file system
+   with FREE_RESERVE to spare. config.json (the first file) is at most CONFIG_CAP.
+   Without `--max-size`, the cap is the checkpoint's expected size plus margin: once config.json has
+   arrived, `expected_size` counts the drafter's parameters from its shape (layers, hidden and
+   intermediate sizes, heads, tapped target layers) at its dtype's width (and, with --with-state,
+   the optimizer's two fp32 moments and a copy); the cap is MARGIN x that + SLACK, at most
+   DEFAULT_CEILING. A config.json that describes no drafter leaves no default: give --max-size.
+   Over the cap: nothing is moved past config.json, and nothing stays here (exit 11).
 3. per file: `pct exec CT -- cat -- FILE` on an SSH channel of its own (memory bounded by the SSH
    window), into a temporary directory inside `--to` (files opened O_EXCL|O_NOFOLLOW relative to
    the checked directory), hashed as it arrives; more bytes than the listing said end it; no byte
@@ -23,6 +30,7 @@ model.safetensors); `--with-state` adds training_state.pt (optimizer state: abou
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import signal
@@ -33,6 +41,7 @@ from dataclasses import dataclass, field
 
 from . import commands, runs, terminal
 from .errors import DflashOpsError, ExitStatus, RemoteCommandFailed, RunStateError, UntrustedData, UsageError
+from .oncall.monitoring import parse_size
 from .remote import ship
 from .remote.readings import human_bytes
 
@@ -47,6 +56,11 @@ STALL_S = 60.0
 LIST_TIMEOUT_S = 3600.0  # hashing the checkpoint in the container: a big one at a slow disk's pace
 SPARSE_SLACK = 1 << 20   # a file may claim twice the bytes it occupies, plus this
 FREE_RESERVE = 64 << 20  # left free on --to's file system after the fetch
+CONFIG_CAP = 1 << 20     # config.json: a drafter's is a few kB
+# The default cap (no --max-size): MARGIN x the expected size + SLACK, never above DEFAULT_CEILING.
+MARGIN, SLACK, DEFAULT_CEILING = 1.5, 64 << 20, 64 << 30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+SHAPE_MAX = 1 << 20      # the largest hidden/intermediate size, head count or head dim believed
 
 
 class ChecksumMismatch(DflashOpsError, exit_status=ExitStatus.CHECKSUM_MISMATCH):
@@ -137,6 +151,53 @@ def check_space(to: str, files: list[RemoteFile]) -> None:
         raise UsageError(f"{probe} has {human_bytes(free)} free; the checkpoint needs {human_bytes(need)} "
                          f"(with {human_bytes(FREE_RESERVE)} to spare): free space there or give another "
                          "--to")
+
+
+def expected_size(config, with_state: bool) -> int | None:
+    """The bytes a checkpoint of this drafter config should take (pure): its parameters at the
+    config's dtype width (4 when unknown), plus, with the state, the optimizer's two fp32 moments and
+    an fp32 copy. None when `config` does not describe a drafter (a field missing or out of range)."""
+    if not isinstance(config, dict):
+        return None
+    dims = {}
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        value = config.get(key)
+        if type(value) is not int or not 0 < value <= SHAPE_MAX:
+            return None
+        dims[key] = value
+    hidden, heads = dims["hidden_size"], dims["num_attention_heads"]
+    kv, head_dim = config.get("num_key_value_heads", heads), config.get("head_dim", hidden // heads)
+    dflash = config.get("dflash_config")
+    taps = dflash.get("target_layer_ids") if isinstance(dflash, dict) else None
+    if (type(kv) is not int or type(head_dim) is not int or not 0 < kv <= SHAPE_MAX
+            or not 0 < head_dim <= SHAPE_MAX or not isinstance(taps, list) or not 0 < len(taps) <= 1024):
+        return None
+    layer = (hidden * heads * head_dim * 2 + hidden * kv * head_dim * 2  # q, o; k, v
+             + 3 * hidden * dims["intermediate_size"] + 2 * hidden + 2 * head_dim)  # mlp, norms
+    params = dims["num_hidden_layers"] * layer + len(taps) * hidden * hidden + 2 * hidden  # fc, norms
+    width = DTYPE_BYTES.get(config.get("dtype") or config.get("torch_dtype"), 4)
+    return params * width + (params * 4 * 3 if with_state else 0)
+
+
+def default_cap(config_text: bytes, with_state: bool) -> tuple[int | None, int | None]:
+    """(the cap, the expected size) from config.json's bytes; (None, None) when it names no drafter."""
+    try:
+        config = json.loads(config_text)
+    except (ValueError, RecursionError):
+        return None, None
+    expected = expected_size(config, with_state)
+    if expected is None:
+        return None, None
+    return min(int(MARGIN * expected) + SLACK, DEFAULT_CEILING), expected
+
+
+def check_total(label: str, files: list[RemoteFile], cap: int, why: str) -> None:
+    """The checkpoint's claimed total within `cap` (`why`: where the cap comes from)."""
+    total = sum(f.size for f in files)
+    if total > cap:
+        raise UntrustedData(f"{label}: the checkpoint is {human_bytes(total)} ({total} bytes), more than "
+                            f"fetch's cap of {human_bytes(cap)} ({why}); nothing was written here: give "
+                            "--max-size SIZE (e.g. 20G) if that size is right")
 
 
 def raise_refusal(refusal: ship.Refusal) -> None:
@@ -242,6 +303,13 @@ def stream(session, ct, path: str):
         raise
 
 
+def read_received(tmp_fd: int, name: str) -> bytes:
+    """A file received into the temp dir (config.json: its size already checked, CONFIG_CAP)."""
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=tmp_fd)
+    with os.fdopen(fd, "rb") as f:
+        return f.read(CONFIG_CAP + 1)
+
+
 def install(dir_fd: int, tmp_fd: int, files: list[RemoteFile], force: bool) -> None:
     sums = "".join(f"{f.sha256}  {f.name}\n" for f in files).encode()
     fd = os.open("SHA256SUMS", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=tmp_fd)
@@ -262,9 +330,13 @@ def _terminate(signum, frame):
 
 
 def fetch(t, run: str, to: str, checkpoint: str = "latest", force: bool = False,
-          with_state: bool = False, echo=print, timeout: float = 0.0) -> Fetched | None:
+          with_state: bool = False, echo=print, timeout: float = 0.0,
+          max_size: str | int | None = None) -> Fetched | None:
     ct, session = t.container, t.session
     run = runs.validate_run_name(run)
+    cap = None if max_size in (None, "") else parse_size(max_size, "--max-size")
+    if cap is not None and cap <= 0:
+        raise UsageError(f"--max-size {max_size}: give the largest checkpoint to accept, e.g. 20G")
     checkpoint = validate_checkpoint(checkpoint)
     to = os.path.abspath(os.path.expanduser(to))
     names = [*MODEL_FILES, *([STATE_FILE] if with_state else [])]
@@ -286,6 +358,11 @@ def fetch(t, run: str, to: str, checkpoint: str = "latest", force: bool = False,
     echo(f"{ct.label}: {terminal.visible(directory)}: {len(files)} files, {out.total_bytes / 2**20:.1f} MiB")
 
     check_caps(ct.label, files)
+    if files[0].name != "config.json" or files[0].size > CONFIG_CAP:
+        raise UntrustedData(f"{ct.label}: config.json claims {files[0].size} bytes, more than a drafter's "
+                            f"config takes ({CONFIG_CAP}): refusing it, nothing written")
+    if cap is not None:
+        check_total(ct.label, files, cap, "--max-size")
     check_space(to, files)
     previous = (signal.signal(signal.SIGTERM, _terminate)
                 if threading.current_thread() is threading.main_thread() else None)
@@ -298,6 +375,16 @@ def fetch(t, run: str, to: str, checkpoint: str = "latest", force: bool = False,
         for f in files:
             receive(stream(session, ct, f"{directory}/{f.name}"), tmp_fd, f, to, float(timeout))
             echo(f"  {f.name}  {f.size / 2**20:.1f} MiB  sha256 {f.sha256[:16]}... verified")
+            if f.name == "config.json" and cap is None:
+                cap, expected = default_cap(read_received(tmp_fd, f.name), with_state)
+                if cap is None:
+                    raise UsageError(f"{ct.label}: {terminal.visible(directory)}/config.json describes no "
+                                     "drafter (hidden_size, intermediate_size, num_hidden_layers, "
+                                     "num_attention_heads, dflash_config.target_layer_ids), so the "
+                                     "checkpoint's expected size is unknown: give --max-size SIZE; nothing "
+                                     "was written here")
+                check_total(ct.label, files, cap, f"the default: {human_bytes(expected)} expected from "
+                            f"its config.json, x{MARGIN:g} + {human_bytes(SLACK)}")
         install(dir_fd, tmp_fd, files, force)
         created = False
     finally:

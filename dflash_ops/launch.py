@@ -501,13 +501,19 @@ def refusal(lines: list[str]) -> dict:
     return answer if isinstance(answer, dict) and "error" in answer else {}
 
 
-def warmup(t, config: str | None = None, sets: Sequence[str] = (), out=None) -> WarmupProgress:
-    """Run warmup_compile.py in the container, streamed, over a pty (Ctrl-C stops it there)."""
+def warmup(t, config: str | None = None, sets: Sequence[str] = (), out=None,
+           timeout: float | None = None) -> WarmupProgress:
+    """Run warmup_compile.py in the container, streamed, over a pty (Ctrl-C stops it there), within
+    `timeout` s (payload.TIMEOUTS' by default)."""
+    from . import payload
+
     ct = t.container
+    timeout = payload.timeout_of("warmup", timeout)
     devices = [d for d in ct.roles.devices("drafter").split(",") if d]
     progress = WarmupProgress(devices=devices, out=out)
-    result = t.session.exec(ct, warmup_argv(ct, config, sets), env=ct.run_env(), cwd=ct.paths.code,
-                            check=False, pty=True, out_stream=progress)
+    with payload.deadline(ct, "the warm-up", timeout):
+        result = t.session.exec(ct, warmup_argv(ct, config, sets), env=ct.run_env(), cwd=ct.paths.code,
+                                check=False, pty=True, out_stream=progress, timeout=timeout)
     if t.dry_run or (result.exited == 0 and not refusal(progress.lines)):
         return progress
     if result.exited == 130:  # Ctrl-C reached the warm-up through the pty; it has stopped there

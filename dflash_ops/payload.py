@@ -4,25 +4,60 @@
   config, --set values (the inventory's first) and device lists, written `--opt=value`;
 - `run_script`: a script in the foreground with the run environment, its progress streamed (visibly),
   its own one-line error (`<script>: error: ...`) kept for the task's error, and its `RESULT <json>`
-  lines parsed (`invoke eval`, `regenerate`, `plan`). One round trip.
+  lines parsed (`invoke eval`, `regenerate`, `plan`). One round trip, within its deadline.
+- deadlines: every task's work in the container has one, `TIMEOUTS[task]` seconds or the task's
+  `--timeout`. When it passes, the transport closes the command's SSH session, and the session's end
+  ends the command's process group in the container (commands.SESSION_SCRIPT: SIGTERM, SIGKILL 5 s
+  later, to the group that script made itself, never a pid read from the container); the task
+  exits TIMED_OUT (13) with one line. Without one: `shell` (interactive) and `logs --follow`
+  (it ends when the run does; Ctrl-C).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import posixpath
 import re
 import sys
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from . import commands, terminal
-from .errors import DflashOpsError, RemoteCommandFailed, UsageError
+from .errors import DflashOpsError, RemoteCommandFailed, TimedOut, UsageError
 from .inventory import Container
 from .remote import ship
 
 SET_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 RESULT = "RESULT "
+
+
+# --- deadlines ---------------------------------------------------------------------------------------
+# Each task's default deadline in seconds for its work in the container (`--timeout` overrides it):
+# a warm-up compiles every shape, an evaluation decodes its prompts twice, a regeneration a dataset.
+TIMEOUTS = {"warmup": 3600.0, "eval": 3600.0, "regenerate": 43200.0, "plan": 1800.0, "stage": 3600.0,
+            "exec": 3600.0}
+REQUIRE_TIMEOUT_S = 60.0  # checking the paths a script needs (the facts helper's needs verb)
+
+
+def timeout_of(task: str, given: float | None = None) -> float:
+    """The deadline of `task`'s work: --timeout when given (seconds > 0), else TIMEOUTS[task]."""
+    value = TIMEOUTS[task] if given is None else given
+    if not (isinstance(value, (int, float)) and 0 < value < math.inf):
+        raise UsageError(f"--timeout {given}: give the seconds the task may run in the container (> 0; "
+                         f"default {TIMEOUTS[task]:g})")
+    return float(value)
+
+
+@contextmanager
+def deadline(ct: Container, what: str, timeout: float, fix: str = "give a longer --timeout"):
+    """The transport's TimedOut as the task's one line: what ran past which deadline, and the fix."""
+    try:
+        yield
+    except TimedOut:
+        raise TimedOut(f"{ct.label}: {what} ran past its deadline of {timeout:g} s and was ended in the "
+                       f"container (its process group with it); {fix}") from None
 
 
 # --- argv builders (pure) --------------------------------------------------------------------------
@@ -132,9 +167,6 @@ class Need:
     error: DflashOpsError
 
 
-NEEDS_TIMEOUT_S = 30.0  # the needs verb: a stat(2) per path
-
-
 def require(t, needs: Sequence[Need]) -> None:
     """One round trip before the slow work (a payload script imports torch for 15-20 s before it
     reads its arguments): the facts helper's `needs` verb tests the paths in the container, and the
@@ -147,7 +179,10 @@ def require(t, needs: Sequence[Need]) -> None:
             raise ValueError(f"test {need.test!r}")
     payload = {"cwd": ct.paths.code, "needs": [[need.test, need.path] for need in needs]}
     try:
-        value = ship.call(t, "facts", "needs", payload, timeout=NEEDS_TIMEOUT_S, what="checking the paths")
+        with deadline(ct, "checking the paths the task needs", REQUIRE_TIMEOUT_S,
+                      "a stat(2) of a few paths hung there: check its file systems (`invoke doctor`)"):
+            value = ship.call(t, "facts", "needs", payload, timeout=REQUIRE_TIMEOUT_S,
+                              what="checking the paths")
     except ship.Refusal as refusal:
         if refusal.kind == "no-cwd":
             raise RemoteCommandFailed(f"{ct.label}: {ct.paths.code} does not exist: "
@@ -163,19 +198,21 @@ def require(t, needs: Sequence[Need]) -> None:
         raise needs[min(missing)].error
 
 
-def run_script(t, argv: list[str], what: str, echo=print, ok: tuple[int, ...] = (0,),
+def run_script(t, argv: list[str], what: str, timeout: float, echo=print, ok: tuple[int, ...] = (0,),
                summary: tuple[str, ...] = ()):
-    """Run `argv` (a payload script) in the container; (result, [RESULT records]). Output lines
-    starting with one of `summary` are the script's own summary of its RESULT, which the task shows
-    itself: not echoed, so the results are printed once.
+    """Run `argv` (a payload script) in the container within `timeout` seconds (TimedOut past it, the
+    script's process group ended there); (result, [RESULT records]). Output lines starting with one of
+    `summary` are the script's own summary of its RESULT, which the task shows itself: not echoed, so
+    the results are printed once.
 
     An exit code outside `ok`, or no RESULT line, is RemoteCommandFailed naming the script's own
     error line (its stderr's last line otherwise), with the fix when the code or venv is missing."""
     ct = t.container
     own_error = script_error(argv)
-    result = t.session.exec(ct, argv, env=ct.run_env(), cwd=ct.paths.code, check=False,
-                            out_stream=ShowLines(echo, summary),
-                            err_stream=ShowLines(_to_stderr, (own_error,)))
+    with deadline(ct, what, timeout):
+        result = t.session.exec(ct, argv, env=ct.run_env(), cwd=ct.paths.code, check=False, timeout=timeout,
+                                out_stream=ShowLines(echo, summary),
+                                err_stream=ShowLines(_to_stderr, (own_error,)))
     if t.dry_run:
         return result, []
     found = results_of(result.stdout)

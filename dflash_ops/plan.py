@@ -233,12 +233,15 @@ class Planned:
         return f"best {b.target}+{b.drafters} {b.placement}, {b.expected:,.0f} tok/s"
 
 
-def plan(t, config: str | None = None, sets=(), write: str | None = None, echo=print) -> Planned | None:
-    """Measure in the container (about a minute, progress shown): the layouts and the best."""
+def plan(t, config: str | None = None, sets=(), write: str | None = None, echo=print,
+         timeout: float | None = None) -> Planned | None:
+    """Measure in the container (about a minute, progress shown; within `timeout` s, payload.TIMEOUTS'
+    by default): the layouts and the best."""
     from . import payload
 
     ct = t.container
-    _, found = payload.run_script(t, plan_argv(ct, config, sets), "plan", echo)
+    timeout = payload.timeout_of("plan", timeout)
+    _, found = payload.run_script(t, plan_argv(ct, config, sets), "plan", timeout, echo)
     if t.dry_run:
         return None
     record = found[-1]

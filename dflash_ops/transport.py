@@ -32,6 +32,7 @@ from .errors import (
     HostUnreachable,
     RemoteCommandFailed,
     SudoRefused,
+    TimedOut,
     UnsafeValue,
     UntrustedData,
     UsageError,
@@ -54,6 +55,7 @@ MAX_LINE_BYTES = 131072 - 1
 STOP_SETTLE_S = 2.0
 STOP_SETTLE_EVERY_S = 0.25
 STDERR_TAIL_LINES = 5
+PROBE_TIMEOUT_S = 30.0  # the session's own probes: `pct status` after a failure, the locale check
 
 
 class OutputTooLarge(Exception):
@@ -207,6 +209,8 @@ class HostSession:
         self.connections = 0
         self.round_trips = 0
         self.share = share
+        # The deadline of a command given none (None: none); a task whose commands all share one sets it.
+        self.default_timeout: float | None = None
         self._conn: Connection | None = None
         self._locale_checked = False
         self._shared_path = None  # the master's socket (mux), once looked up; False: no sharing
@@ -331,7 +335,7 @@ class HostSession:
             raise self._too_large(line, limit) from None
         except TimeoutError:
             self.round_trips += 1
-            raise RemoteCommandFailed(f"{self.host.name}: command timed out after {timeout:g} s: "
+            raise TimedOut(f"{self.host.name}: command timed out after {timeout:g} s: "
                                       f"{self.shown(line)[:200]}") from None
         except mux.Lost as exc:
             self.round_trips += 1
@@ -366,6 +370,7 @@ class HostSession:
         if self.dry_run:
             self.echo(self.shown(line))
             return Result(line=line)
+        timeout = self.default_timeout if timeout is None else timeout
         hide = not stream and out_stream is None
         if not hide:  # what is shown as it comes is the container's: through the terminal's filter
             out_stream = out_stream or terminal.Visible(sys.stdout)
@@ -403,7 +408,7 @@ class HostSession:
                 raise self._too_large(line, limit) from None
             raise
         except CommandTimedOut:
-            raise RemoteCommandFailed(f"{self.host.name}: command timed out after {timeout:g} s: "
+            raise TimedOut(f"{self.host.name}: command timed out after {timeout:g} s: "
                                       f"{self.shown(line)[:200]}") from None
         except (OSError, EOFError, paramiko.SSHException) as exc:
             self._conn = None
@@ -411,7 +416,7 @@ class HostSession:
                                   f"{exc or type(exc).__name__}") from None
         if r.exited == -1 and timeout is not None and time.monotonic() - started >= timeout:
             # the runner's timer closed the channel: no exit status, and not a lost connection
-            raise RemoteCommandFailed(f"{self.host.name}: command timed out after {timeout:g} s: "
+            raise TimedOut(f"{self.host.name}: command timed out after {timeout:g} s: "
                                       f"{self.shown(line)[:200]}")
         return Result(line=line, stdout=r.stdout, stderr=r.stderr, exited=r.exited)
 
@@ -459,7 +464,7 @@ class HostSession:
             return
         sample = "ü€"
         probe = self.run(commands.pct_exec(ct.ctid, ["printf", "%s", sample], pct=ct.host.pct_command),
-                         check=False)
+                         check=False, timeout=PROBE_TIMEOUT_S)
         if probe.ok and probe.stdout != sample:
             raise UnsafeValue(
                 f"{self.host.name}: pct would turn non-ASCII characters into U+FFFD ({sample!r} arrived as "
@@ -477,7 +482,8 @@ class HostSession:
         a container that still runs is asked again, for up to STOP_SETTLE_S."""
         settle_by = time.monotonic() + (STOP_SETTLE_S if during else 0)
         while True:
-            probe = self.run(commands.pct_line(ct.host.pct_command, "status", str(ct.ctid)), check=False)
+            probe = self.run(commands.pct_line(ct.host.pct_command, "status", str(ct.ctid)), check=False,
+                             timeout=PROBE_TIMEOUT_S)
             if "status: running" not in probe.stdout or time.monotonic() >= settle_by:
                 break
             time.sleep(STOP_SETTLE_EVERY_S)

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .. import commands
+from .. import commands, payload
 from ..errors import UsageError
 from ..target import Target
 
@@ -47,10 +47,14 @@ class Exited:
         return ""
 
 
-def execute(t: Target, argv: Sequence[str]) -> Exited:
-    """Run argv in the container with the run environment, streamed; its exit code is the task's."""
+def execute(t: Target, argv: Sequence[str], timeout: float | None = None) -> Exited:
+    """Run argv in the container with the run environment, streamed, within `timeout` s
+    (payload.TIMEOUTS' by default); its exit code is the task's."""
     ct = t.container
-    result = t.session.exec(ct, list(argv), env=ct.run_env(), cwd=ct.paths.code, check=False, stream=True)
+    timeout = payload.timeout_of("exec", timeout)
+    with payload.deadline(ct, "the command", timeout):
+        result = t.session.exec(ct, list(argv), env=ct.run_env(), cwd=ct.paths.code, check=False, stream=True,
+                                timeout=timeout)
     return Exited(result.exited)
 
 

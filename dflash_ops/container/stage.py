@@ -1,7 +1,7 @@
 """`invoke stage`: put the target back into paths.model (/dev/shm, emptied by every container restart)
 from its persistent copy in the container (paths.model_store), verified against a recorded checksum.
 
-One round trip: the `stage` verb of deploy's helper (remote/release.py, within STAGE_TIMEOUT_S)
+One round trip: the `stage` verb of deploy's helper (remote/release.py, within --timeout or payload's default)
 copies the store into a private dir beside paths.model, hashing each file as it is copied, checks
 every file against the manifest recorded beside the store (`<model_store>.sha256`, sha256sum's
 format, written by `invoke stage --record`, the `record` verb, once the store is known good), then
@@ -16,12 +16,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ..errors import DflashOpsError, ExitStatus, UsageError
+from .. import payload
+from ..errors import DflashOpsError, ExitStatus, TimedOut, UsageError
 from ..inventory import Container
 from ..remote import ship
 from ..target import Target
-
-STAGE_TIMEOUT_S = 3600.0  # the stage/record verb's deadline: tens of GB copied and hashed on a slow disk
 
 
 class StageFailed(DflashOpsError, exit_status=ExitStatus.REMOTE_FAILED):
@@ -73,22 +72,29 @@ FAILURES = {
 }
 
 
-def stage(t: Target, record: bool = False) -> Staged | None:
+def stage(t: Target, record: bool = False, timeout: float | None = None) -> Staged | None:
+    """Stage (or --record) within `timeout` s (payload.TIMEOUTS' by default)."""
     ct = t.container
-    payload = {"store": store(ct), "manifest": manifest_path(ct)}
+    timeout = payload.timeout_of("stage", timeout)
+    args = {"store": store(ct), "manifest": manifest_path(ct)}
     if not record:
-        payload["model"] = ct.paths.model
+        args["model"] = ct.paths.model
     started = time.monotonic()
+    what = "recording the store's checksums" if record else "staging"
     try:
-        value = ship.call(t, "release", "record" if record else "stage", payload, timeout=STAGE_TIMEOUT_S,
-                          what="stage")
+        with payload.deadline(ct, what, timeout):
+            value = ship.call(t, "release", "record" if record else "stage", args, timeout=timeout,
+                              what="stage")
     except ship.Refusal as refusal:
         if refusal.kind == "mismatch":
             raise StageMismatch(f"{ct.label}: the copy of {ct.paths.model_store} does not match "
                                 f"{manifest_path(ct)} ({refusal.message}); nothing was replaced: the store "
                                 "changed or is damaged, check it and re-record with `invoke stage --record`"
                                 ) from None
-        if refusal.kind in FAILURES or refusal.kind in ("timeout", "interrupted"):
+        if refusal.kind == "timeout":
+            raise TimedOut(f"{ct.label}: {what} ran past its deadline of {timeout:g} s and was ended in "
+                           "the container (nothing was replaced); give a longer --timeout") from None
+        if refusal.kind in FAILURES or refusal.kind == "interrupted":
             why = FAILURES.get(refusal.kind, refusal.message).format(
                 store=ct.paths.model_store, manifest=manifest_path(ct), model=ct.paths.model)
             said = f" ({refusal.message})" if refusal.kind in FAILURES else ""

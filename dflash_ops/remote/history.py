@@ -102,9 +102,9 @@ def checkpoints_of(run_dir):
     return latest, steps, leftovers
 
 
-def run_record(runs, name, now, stall_after):
+def run_record(runs, name, now, stall_after, holder):
     run_dir = os.path.join(runs, name)
-    state = state_of_run(runs, name, run_dir, now, stall_after)
+    state = state_of_run(runs, name, run_dir, now, stall_after, holder)
     started, ended = number(state["files"].get("started")), number(state["files"].get("ended"))
     last_activity = state["last_activity"]
     if last_activity is None:
@@ -140,9 +140,7 @@ def everything(args, alive):
             names.append(n)
         elif not n.startswith("."):  # .lock, .current, prune's and launch's own
             unparsed.append(n[:200])
-    records = [run_record(runs, n, now, float(args.get("stall_after", 600))) for n in names]
-    for r in records:
-        r["alive"] = r["name"] == alive
+    records = [run_record(runs, n, now, float(args.get("stall_after", 600)), alive) for n in names]
     records.sort(key=lambda r: (r["started"] or r["last_activity"], r["name"]), reverse=True)  # newest first
     return now, records, unparsed[:100]
 

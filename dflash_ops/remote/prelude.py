@@ -21,9 +21,12 @@ O_NONBLOCK|O_NOFOLLOW and refused unless it is a regular file (a FIFO in a run d
 an open or a read for ever), read up to a cap, split on `\n` only, decoded with replacement; walks
 stop at the call's deadline (`time_left`).
 
-The run primitives: a run is alive while its processes hold `<runs>/.lock` exclusively (flock, taken
-by the launch and inherited by the wrapper and the training process); `<runs>/.current` names the
-run that took it. A warm-up holds it shared; clean-caches and prune exclusively while deleting.
+The run primitives: a run is alive while its wrapper holds `<runs>/.lock` exclusively (flock, taken
+by the launch and inherited by the wrapper and the training process): `lock_holder_run` reads which
+run from the lock's holders, and `run_alive`, `alive_run` and `default_run` (status, stop, logs,
+prune, runs) all ask it. `<runs>/.current` names the run last launched: only the default for a
+task's --run when no run is alive, never proof of life (anyone in the container may write it). A
+warm-up holds the lock shared; clean-caches and prune exclusively while deleting.
 `run_state` is the one state machine of a run (status, runs, prune, logs --follow and watch read it).
 """
 
@@ -375,20 +378,29 @@ def lock_holder_run(runs):
 
 
 def current_run(runs):
+    """The run `.current` names: the one last launched. Only a default for `--run`; never proof that
+    it is alive (anyone in the container may write it)."""
     name = (read_text(os.path.join(runs, CURRENT), 200) or "").strip()
     return name or None
 
 
-def run_alive(runs, name):
-    """Is run `name` alive: .current names it and someone holds the runs lock exclusively."""
-    return bool(name) and current_run(runs) == name and lock_held(runs) == "exclusive"
+def run_alive(runs, name, holder=Ellipsis):
+    """Is run `name` alive: its wrapper holds the runs lock (lock_holder_run; `holder`: its answer,
+    when the caller has it already), whatever `.current` says."""
+    if holder is Ellipsis:
+        holder = lock_holder_run(runs)
+    return bool(name) and holder == name
 
 
 def alive_run(runs):
-    """The name of the run holding the runs lock ("?" when .current is unreadable), or None."""
-    if lock_held(runs) != "exclusive":
-        return None
-    return current_run(runs) or "?"
+    """The name of the run holding the runs lock ("?" when no run it can name holds it), or None."""
+    return lock_holder_run(runs)
+
+
+def default_run(runs):
+    """The run a task means without --run: the alive one, else the one `.current` names."""
+    holder = lock_holder_run(runs)
+    return holder if holder not in (None, "?") else current_run(runs)
 
 
 RUN_LIST_CAP = 200         # run names a no-run refusal lists at most (the newest)
@@ -415,10 +427,10 @@ def run_names(runs):
 
 
 def resolve_run(runs, name=None):
-    """(name, run dir) of run `name`, or of the latest; Refused("no-run") when there is none, with
-    the name asked for and the runs that exist (`runs`, newest first): the local side words it
-    (dflash_ops/runs.py no_such_run), the same for every verb."""
-    name = name or current_run(runs)
+    """(name, run dir) of run `name`, or of the alive or latest one (default_run); Refused("no-run")
+    when there is none, with the name asked for and the runs that exist (`runs`, newest first): the
+    local side words it (dflash_ops/runs.py no_such_run), the same for every verb."""
+    name = name or default_run(runs)
     if not name:
         raise Refused("no-run", f"no run yet under {runs}", name=None, runs=run_names(runs))
     path = os.path.join(runs, name)
@@ -604,10 +616,11 @@ def run_state(files, alive, idle_s, stall_after):
     return "crashed", describe_exit(code)
 
 
-def state_of_run(runs, name, path, now, stall_after):
-    """run_state of a run directory, with what it was decided from: {state, detail, alive, files, idle_s}."""
+def state_of_run(runs, name, path, now, stall_after, holder=Ellipsis):
+    """run_state of a run directory, with what it was decided from: {state, detail, alive, files, idle_s}.
+    `holder`: lock_holder_run's answer when the caller has it (a walk over every run)."""
     files = run_files(path)
-    alive = run_alive(runs, name)
+    alive = run_alive(runs, name, holder)
     activity = last_activity(path, files)
     idle = max(0, now - activity) if activity is not None else None
     state, detail = run_state(files, alive, idle, stall_after)

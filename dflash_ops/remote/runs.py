@@ -28,9 +28,10 @@ from dflash_ops.remote.prelude import (
     TAIL_WINDOW,
     LineCutter,
     Refused,
+    alive_run,
     container_memory,
-    current_run,
     current_segment,
+    default_run,
     dir_usage,
     emit,
     end_lines,
@@ -145,7 +146,7 @@ def status(args):
     """The facts of one run (the named one, or the latest), its state (the prelude's run_state), and
     the GPUs; the local side checks every field."""
     runs = args["runs"]
-    name = args.get("name") or current_run(runs)
+    name = args.get("name") or default_run(runs)
     now = int(time.time())
     out = {"now": now, "name": name, "exists": False, "gpus": gpu_lines(),
            "free_runs": free_near(runs), "free_shm": free_bytes("/dev/shm"), "memory": container_memory()}
@@ -256,7 +257,8 @@ def _busy(runs):
     if shared is not None:
         os.close(shared)
         return Refused("busy-warmup", "a warm-up is running")
-    return Refused("busy", "run %s is alive" % (current_run(runs) or "?"), run=current_run(runs) or "?")
+    alive = alive_run(runs) or "?"
+    return Refused("busy", f"run {alive} is alive", run=alive)
 
 
 def preflight(args):
@@ -752,7 +754,8 @@ def warmup(args):
         raise Refused("cannot-write", f"cannot create {runs}: {exc.strerror}") from None
     lock = runs_lock(runs, shared=True)
     if lock is None:
-        raise Refused("busy", "run %s is alive" % (current_run(runs) or "?"), run=current_run(runs) or "?")
+        alive = alive_run(runs) or "?"
+        raise Refused("busy", f"run {alive} is alive", run=alive)
     for path in argv[:2]:
         if not os.path.exists(path):
             raise Refused("not-deployed", f"{path} is missing in the container")
@@ -766,7 +769,7 @@ def clean_caches(args):
     refuse if one is alive."""
     runs = args["runs"]
     fd = runs_lock(runs) if os.path.isdir(runs) else None
-    busy = None if fd is not None or not os.path.isdir(runs) else (current_run(runs) or "?")
+    busy = None if fd is not None or not os.path.isdir(runs) else (alive_run(runs) or "?")
     if busy and not args.get("force"):
         raise Refused("busy", f"run {busy} is alive", run=busy)
     freed = {}

@@ -22,7 +22,7 @@ import zlib
 from pathlib import Path
 
 from .. import commands, runs, terminal
-from ..errors import RemoteCommandFailed, RunStateError, UntrustedData, UsageError
+from ..errors import RemoteCommandFailed, RunStateError, TimedOut, UntrustedData, UsageError
 from ..inventory import Container
 from ..transport import AnswerTooLarge, stderr_tail
 from .facts import FACTS
@@ -128,7 +128,7 @@ def field(value, name: str, kind: type, where: str):
 
 
 # The refusals every caller reads the same way; a caller maps its own kinds first.
-COMMON = {"no-run": RunStateError, "usage": UsageError, "unsafe": UntrustedData}
+COMMON = {"no-run": RunStateError, "usage": UsageError, "unsafe": UntrustedData, "timeout": TimedOut}
 
 
 def raise_common(refusal: Refusal, hint: str = "") -> None:

@@ -13,10 +13,12 @@ pytestmark = pytest.mark.integration
 FILL = ('set -e; mkdir -p /root/.cache/dflash/inductor/fx /root/.cache/dflash/triton; '
         'head -c 300000 /dev/zero > /root/.cache/dflash/inductor/fx/graph.bin; '
         'head -c 5000 /dev/zero > /root/.cache/dflash/triton/kernel.cubin')
-# A stand-in for a live run as launch.py defines it: a process group holding <runs>/.lock, .current naming it.
-HOLD_LOCK = ('mkdir -p /root/runs && echo fake-run > /root/runs/.current && '
-             'setsid -f sh -c \'echo $$ > /root/runs/holder.pgid; exec flock /root/runs/.lock sleep 300\' '
-             '</dev/null >/dev/null 2>&1')
+# A stand-in for a live run as launch.py defines it: a process group whose wrapper (`sh <run>/run.sh`,
+# flock's child: it inherits the lock's fd) holds <runs>/.lock; .current names it.
+HOLD_LOCK = ('mkdir -p /root/runs/fake-run && echo fake-run > /root/runs/.current && '
+             'echo "sleep 300" > /root/runs/fake-run/run.sh && '
+             'setsid -f sh -c \'echo $$ > /root/runs/holder.pgid; '
+             'exec flock /root/runs/.lock sh /root/runs/fake-run/run.sh\' </dev/null >/dev/null 2>&1')
 
 
 @pytest.fixture(scope="module")

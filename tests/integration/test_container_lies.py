@@ -6,6 +6,7 @@ No deploy: status, watch and prune read with the container's system Python.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 
@@ -119,3 +120,102 @@ def test_prune_follows_no_symlink_keeps_the_run_holding_the_lock_and_lists_what_
     finally:
         holder.kill()
         sh(box, "pkill -f '^sh /root/runs/alive1/run.sh'; pkill -f '^sleep 600$'; true")
+
+
+# A fake run's wrapper: it records its group as the real one does, logs a step, and ends (exit 0) once
+# `<run>/end-now` exists; started as a group leader holding the runs lock, as a launch leaves it.
+WRAPPER = ('echo $$ > "$1/pgid"; date +%s > "$1/started"; echo "step 1/9 | first" >> "$1/train.log"; '
+           'while [ ! -e "$1/end-now" ]; do sleep 0.2; done; echo "step 9/9 | the end of alive" >> '
+           '"$1/train.log"; date +%s > "$1/ended"; echo 0 > "$1/exit_code"')
+
+
+def start_alive(box, name: str) -> subprocess.Popen:
+    """Run `name` alive: its wrapper (`sh <run>/run.sh <run>`) leads its group and holds the runs lock."""
+    sh(box, 'mkdir -p "$1" && printf "%s\\n" "$2" > "$1/run.sh" && rm -f "$1/end-now" "$1/exit_code"',
+       f"{RUNS}/{name}", WRAPPER)
+    holder = subprocess.Popen(
+        [str(box.sandbox.pct), "exec", CT, "--", "python3", "-c",
+         "import fcntl, os, sys; os.setsid(); fd = os.open(sys.argv[1], os.O_CREAT | os.O_RDWR, 0o644); "
+         "fcntl.flock(fd, fcntl.LOCK_EX); os.set_inheritable(fd, True); "
+         "os.execvp('sh', ['sh', sys.argv[2] + '/run.sh', sys.argv[2]])", f"{RUNS}/.lock", f"{RUNS}/{name}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for(f"run {name}'s wrapper", lambda: sh(box, 'cat "$1/pgid" 2>/dev/null; true', f"{RUNS}/{name}"),
+             timeout=60, every=0.2)
+    return holder
+
+
+def test_the_alive_run_is_the_one_holding_the_lock_whatever_current_names(box, clean, tmp_path):
+    # From inside the container: .current names "other", a run that crashed; "alive" holds the lock.
+    plant_run(box, "other", exit_code="1")
+    holder = start_alive(box, "alive")
+    sh(box, f"echo other > {RUNS}/.current")
+    try:
+        st = json_of(invoke(box, "status", "--json"))  # no --run: the alive run, not .current's
+        assert (st["run"], st["state"]) == ("alive", "running"), st
+        assert json_of(invoke(box, "status", "--run", "alive", "--json"))["state"] == "running"
+        other = json_of(invoke(box, "status", "--run", "other", "--json"))
+        assert other["state"] == "crashed", other  # named by .current, and dead
+
+        out = tmp_path / "follow.out"
+        with out.open("w") as sink:
+            follow = subprocess.Popen(box.invoke_argv("logs", "--follow", "-n", "5"), cwd=REPO, stdout=sink,
+                                      stderr=subprocess.STDOUT, text=True)
+        try:
+            # The old one followed the dead run .current names, for ever (the lock is held).
+            shown = lambda: "step 1/9" in out.read_text() or follow.poll() is not None  # noqa: E731
+            wait_for("the alive run's log", shown, timeout=60, every=0.2)
+            # It follows while the run lives: its liveness checks (one a second) do not end it.
+            with pytest.raises(subprocess.TimeoutExpired):
+                follow.wait(timeout=4)
+            sh(box, f"touch {RUNS}/alive/end-now")
+            assert follow.wait(timeout=60) == 0, out.read_text()
+        finally:
+            follow.kill()
+        assert "the end of alive" in out.read_text(), out.read_text()
+        holder.wait(timeout=60)
+
+        holder = start_alive(box, "alive")  # alive again; .current still names "other"
+        r = invoke(box, "stop", "--grace", "5")
+        assert r.returncode == 0 and "alive" in r.stdout and "not running" not in r.stdout, r
+        assert holder.wait(timeout=60) is not None
+        assert "run.sh" not in sh(box, "ps -eo args"), "the alive run's wrapper outlived stop"
+        assert sh(box, f"cat {RUNS}/alive/stopped").startswith("term "), "stop did not record it"
+    finally:
+        holder.kill()
+        sh(box, f"touch {RUNS}/alive/end-now; pkill -f '^sh /root/runs/alive/run.sh'; true")
+
+
+def json_of(r: subprocess.CompletedProcess) -> dict:
+    assert r.returncode == 0, r.stdout + r.stderr
+    return json.loads(r.stdout)
+
+
+def test_following_a_line_of_64_mib_is_cut_and_holds_bounded_memory(box, clean, tmp_path):
+    """From inside the container, a run logs one line of 64 MiB without a break: `logs --follow` once
+    took 281 s for 16 MiB (quadratic) and grew with everything it followed. It shows the line cut,
+    follows on, and its peak memory is the CLI's own."""
+    holder = start_alive(box, "long")
+    sh(box, 'head -c 67108864 /dev/zero | tr "\\0" x >> "$1" && printf "\\nafter the long line\\n" >> "$1"',
+       f"{RUNS}/long/train.log")
+    out, rss = tmp_path / "follow.out", tmp_path / "rss"
+    try:
+        with out.open("w") as sink:
+            follow = subprocess.Popen(["/usr/bin/time", "-f", "%M", "-o", str(rss),
+                                       *box.invoke_argv("logs", "--follow", "--run", "long", "-n", "3")],
+                                      cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, text=True)
+        try:
+            wait_for("the line after the long one", lambda: "after the long line" in out.read_text()
+                     or follow.poll() is not None, timeout=120, every=0.5)
+            sh(box, f"touch {RUNS}/long/end-now")
+            assert follow.wait(timeout=120) == 0, out.read_text()[-2000:]
+        finally:
+            follow.kill()
+    finally:
+        holder.kill()
+        sh(box, f"touch {RUNS}/long/end-now; pkill -f '^sh /root/runs/long/run.sh'; true")
+    lines = out.read_text().splitlines()
+    assert "after the long line" in lines and any("the end of alive" in line for line in lines), lines[-5:]
+    longest = max(len(line) for line in lines)
+    assert 1000 < longest < 10_000, longest  # shown, cut (the follower keeps LINE_CAP characters)
+    peak_kib = int(rss.read_text().split()[-1])
+    assert peak_kib < 200 * 1024, peak_kib  # the CLI's own, not the 64 MiB line

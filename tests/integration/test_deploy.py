@@ -15,7 +15,7 @@ from deployed_box import deployed_box
 from waiting import wait_for
 
 from dflash_ops import deploy
-from dflash_ops.errors import DeployError, ExitStatus, RemoteCommandFailed
+from dflash_ops.errors import ExitStatus, RemoteCommandFailed, TimedOut
 from dflash_ops.remote import facts as container_facts
 from dflash_ops.remote import ship
 
@@ -147,7 +147,8 @@ HANGING_PIP_PTH = "import sys, time; sys.argv[:2] == ['-m', 'install'] and time.
 
 def test_a_pip_that_hangs_is_ended_at_its_deadline_and_deploy_fails_in_one_line(box, monkeypatch):
     """The venv verb's deadline (deploy.PIP_TIMEOUT_S, 5 s here) ends pip with its process group in the
-    container; deploy fails with one line, exit 5, and the venv stays marked stale."""
+    container; deploy fails with one line, exit 13 (TIMED_OUT, as every task past its deadline), and the
+    venv stays marked stale."""
     monkeypatch.setattr(deploy, "PIP_TIMEOUT_S", 5.0)
     stamp = f"/root/venv/{container_facts.REQUIREMENTS_STAMP}"
     want = box.container("cat", stamp).stdout
@@ -155,7 +156,7 @@ def test_a_pip_that_hangs_is_ended_at_its_deadline_and_deploy_fails_in_one_line(
            'rm -f "$2"', HANGING_PIP_PTH, stamp)
     t = box.target()
     try:
-        with pytest.raises(DeployError) as failed:
+        with pytest.raises(TimedOut) as failed:
             deploy.deploy(t, root=box.checkout, **QUIET)
         left = [p for p in box.sh("ps -eo args").stdout.splitlines() if "pip install" in p]
         stale = box.container("test", "-e", stamp, check=False).returncode != 0
@@ -166,7 +167,7 @@ def test_a_pip_that_hangs_is_ended_at_its_deadline_and_deploy_fails_in_one_line(
     assert str(failed.value) == (
         "pve1/200: venv: pip install -r /root/dflash/requirements.txt did not finish within 5 s: ended with "
         "its process group (SIGTERM, then SIGKILL); re-run deploy; the venv stays marked stale")
-    assert failed.value.exit_status == ExitStatus.REMOTE_FAILED
+    assert failed.value.exit_status == ExitStatus.TIMED_OUT
     assert left == [] and stale
 
 

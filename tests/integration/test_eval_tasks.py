@@ -181,3 +181,49 @@ def test_regenerate_from_a_sharegpt_file_in_the_container_and_a_bad_file_is_one_
     assert "regeneration failed (exit 2): regenerate_data: error: /root/own/junk.jsonl: " in line
     assert "rows unusable" in line and "not JSON" in line
     assert deployed.container("test", "-e", "/root/own/out/junk.jsonl", check=False).returncode == 1
+
+
+def test_regenerate_skips_bad_rows_of_a_container_and_escapes_a_shard_named_like_a_result(deployed):
+    """From inside the container: a directory of shards, one named `b\\nRESULT {.jsonl` (its name once
+    printed a line of its own that read as a result: a local traceback), one with a row nested 5000
+    deep (once aborted the regeneration), and a Parquet shard of a few KB whose two rows point to one
+    2 MiB string (once expanded in the loader). Each bad row is counted and skipped with its number and
+    reason, the name shown escaped on one line, every other row regenerated; no traceback."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def chat(i):
+        return {"id": f"r{i}", "conversations": [{"from": "human", "value": f"say {i}"},
+                                                  {"from": "gpt", "value": f"{i}"}]}
+
+    def messages(content):
+        return {"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": "ok"}]}
+
+    good = [json.dumps(chat(i)) for i in range(40)]
+    deep = '{"id": "deep", "conversations": ' + "[" * 5000 + "]" * 5000 + "}"
+    big = "x" * (2 << 20)
+    table = pa.Table.from_pylist([messages(f"p{i}") for i in range(10)] + [messages(big)] * 2
+                                 + [messages(f"p{i}") for i in range(10, 30)])
+    parquet = io.BytesIO()
+    pq.write_table(table, parquet, compression="zstd")
+    assert parquet.tell() < 20_000
+    shards = {"a.jsonl": ("\n".join(good[:7] + [deep] + good[7:20]) + "\n").encode(),
+              "b\nRESULT {.jsonl": ("\n".join(good[20:]) + "\n").encode(), "c.parquet": parquet.getvalue()}
+    deployed.sh("rm -rf /root/shards /root/shards-out && mkdir -p /root/shards")
+    for name, data in shards.items():
+        deployed.sh('cat > "/root/shards/$1"', name, data=data)
+    r = deployed.invoke("regenerate", "--src", "/root/shards", "--out-dir", "/root/shards-out",
+                        "--max-new-tokens", "2", check=False, timeout=600)
+    both = r.stdout + r.stderr
+    assert r.returncode == ExitStatus.OK and "Traceback" not in both, both
+    assert "row 8: nested deeper than 32 levels" in r.stdout, r.stdout
+    assert ("row 11: row expands to 2.1 MB, over the 1 MB row limit; "
+            "row 12: row expands to 2.1 MB, over the 1 MB row limit") in r.stdout, r.stdout
+    assert "b\\nRESULT {.jsonl" in r.stdout, r.stdout
+    assert not any(line.startswith("RESULT") for line in both.splitlines()), both
+    assert "/root/shards-out/shards.jsonl: 70 rows, " in r.stdout, r.stdout
+    written = [json.loads(line) for line in deployed.container("cat", "/root/shards-out/shards.jsonl").stdout
+               .splitlines()]
+    assert len(written) == 70 and {f"r{i}" for i in range(40)} <= {row["id"] for row in written}

@@ -317,7 +317,9 @@ def test_full_dev_shm_fails_deploy_clearly_and_leaves_no_half_written_model(depl
         # The tiny target's own output streams first; the task's error is the last line.
         assert r.returncode == ExitStatus.REMOTE_FAILED, r
         last = r.stderr.strip().splitlines()[-1]
-        assert last.startswith(f"error: pve1/{CT}: exit 1: ") and "No space left on device" in last, r.stderr
+        # the tiny-target verb's refusal: what failed, how, and the build's last line
+        assert last.startswith(f"error: pve1/{CT}: tiny-target: ") and "failed (exit 1)" in last, r.stderr
+        assert "No space left on device" in last, r.stderr
         assert deployed.container("ls", "-A", "/dev/shm").stdout.split() == ["fill"]  # no partial model
         doctor = deployed.invoke("doctor", check=False)
         assert any("FAIL" in line and "free /dev/shm" in line for line in doctor.stdout.splitlines())

@@ -25,7 +25,12 @@ pytestmark = pytest.mark.integration
 RUN = "lies"
 ROOT = f"/root/runs/{RUN}/checkpoints"
 MARK = f"pwned-{uuid.uuid4().hex[:8]}"
-CONFIG, WEIGHTS = b'{"model_type": "qwen3"}\n', os.urandom(300_000)
+# A drafter's config.json (2 layers, hidden 64, fp32: 329,472 bytes of parameters expected; fetch's
+# default cap is 1.5x that + 64 MiB) and weights of about that size.
+CONFIG = (b'{"dtype": "float32", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, '
+          b'"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, '
+          b'"dflash_config": {"target_layer_ids": [1, 3]}, "model_type": "qwen3"}\n')
+WEIGHTS = os.urandom(300_000)
 
 
 def sha(data: bytes) -> str:
@@ -161,7 +166,8 @@ def test_a_killed_fetch_leaves_nothing_running_or_partial(box, tmp_path):
                       f"head -c 200000000 /dev/urandom > {ROOT}/step-3/model.safetensors")
     for sig in (signal.SIGTERM, signal.SIGKILL):
         to = tmp_path / sig.name / "drafter"
-        proc = subprocess.Popen(box.invoke_argv("fetch", "--run", RUN, "--to", str(to)), cwd=REPO,
+        proc = subprocess.Popen(box.invoke_argv("fetch", "--run", RUN, "--to", str(to), "--max-size", "1G"),
+                                cwd=REPO,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         box.wait_for("the weights to stream",
                      lambda proc=proc, to=to: proc.poll() is not None or streaming(to),
@@ -174,9 +180,47 @@ def test_a_killed_fetch_leaves_nothing_running_or_partial(box, tmp_path):
             assert not to.exists() and list((tmp_path / sig.name).iterdir()) == []
         else:
             assert [p.name.startswith(".dflash-fetch-") for p in to.iterdir()] == [True]
-            box.invoke("fetch", "--run", RUN, "--to", str(to), "--force", timeout=600)
+            box.invoke("fetch", "--run", RUN, "--to", str(to), "--force", "--max-size", "1G", timeout=600)
             assert sorted(os.listdir(to)) == ["SHA256SUMS", "config.json", "model.safetensors"]
         deadline = time.monotonic() + 60
         while any("zlib" in p or "cat -- /root/runs" in p for p in box.processes()):
             assert time.monotonic() < deadline, box.processes()
             time.sleep(0.5)
+
+
+def refused_and_nothing_here(out, to, code, words):
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == code, (out.returncode, out.stdout, out.stderr)
+    assert len(lines) == 1 and all(w in lines[0] for w in words), out.stderr
+    assert "Traceback" not in out.stdout + out.stderr
+    assert not to.parent.exists() or list(to.parent.rglob("*")) == [], list(to.parent.rglob("*"))
+
+
+def test_a_checkpoint_past_the_operators_cap_is_refused_before_a_byte_moves(box, tmp_path):
+    in_container(box, f"rm -rf /root/runs/{RUN}")
+    good_checkpoint(box, f"{ROOT}/step-3")
+    to = tmp_path / "out" / "drafter"
+    out = box.invoke("fetch", "--run", RUN, "--to", str(to), "--max-size", "100K", check=False)
+    refused_and_nothing_here(out, to, ExitStatus.UNTRUSTED,
+                             ["more than fetch's cap of 100.0 KiB (--max-size)", "nothing was written here"])
+    out = box.invoke("fetch", "--run", RUN, "--to", str(to), "--max-size", "1M")  # within it: fetched
+    assert sorted(os.listdir(to)) == ["SHA256SUMS", "config.json", "model.safetensors"]
+    bad = box.invoke("fetch", "--run", RUN, "--to", str(tmp_path / "x"), "--max-size", "lots", check=False)
+    assert bad.returncode == ExitStatus.USAGE, bad.stderr
+    assert bad.stderr.startswith("error: --max-size 'lots'"), bad.stderr
+
+
+def test_by_default_a_checkpoint_far_past_its_configs_expected_size_is_refused(box, tmp_path):
+    """Real bytes this time (no holes): 80 MB of weights for a drafter config that expects 0.3 MB.
+    config.json comes first and sets the cap; the weights never move; nothing stays in --to."""
+    in_container(box, f"rm -rf /root/runs/{RUN} && mkdir -p {ROOT}/step-3 && "
+                      f"head -c 80000000 /dev/urandom > {ROOT}/step-3/model.safetensors")
+    in_container(box, 'cat > "$1"', f"{ROOT}/step-3/config.json", data=CONFIG)
+    to = tmp_path / "out" / "drafter"
+    out = box.invoke("fetch", "--run", RUN, "--to", str(to), check=False, timeout=300)
+    refused_and_nothing_here(out, to, ExitStatus.UNTRUSTED,
+                             ["more than fetch's cap of 64.5 MiB", "the default: 321.8 KiB expected from its "
+                              "config.json, x1.5 + 64.0 MiB"])
+    in_container(box, f"printf '{{}}\\n' > {ROOT}/step-3/config.json")  # no drafter: no default
+    out = box.invoke("fetch", "--run", RUN, "--to", str(to), check=False, timeout=300)
+    refused_and_nothing_here(out, to, ExitStatus.USAGE, ["describes no drafter", "give --max-size SIZE"])

@@ -61,10 +61,11 @@ def test_backslashes_and_newlines_in_eval_json_are_read_whole(box):
     assert st["last_eval"] and st["last_eval"]["acceptance_length"] == 2.5, st
 
 
-# A stand-in for the run's processes: a group of its own holding the runs lock (what makes the run
-# alive), and a second group that is nobody's run. Each prints its process group id.
-HOLDER = (f'setsid -f sh -c \'echo $$ > {RUNS}/holder.pgid; exec flock {RUNS}/.lock sleep 300\' '
-          '</dev/null >/dev/null 2>&1')
+# A stand-in for the run's processes: a group of its own whose wrapper (`sh <run>/run.sh`, flock's
+# child: it inherits the lock's fd) holds the runs lock (what makes run victim alive), and a second
+# group that is nobody's run. Each prints its process group id.
+HOLDER = (f'echo "sleep 300" > {RUNS}/victim/run.sh && setsid -f sh -c \'echo $$ > {RUNS}/holder.pgid; '
+          f'exec flock {RUNS}/.lock sh {RUNS}/victim/run.sh\' </dev/null >/dev/null 2>&1')
 BYSTANDER = f"setsid -f sh -c 'echo $$ > {RUNS}/bystander.pgid; exec sleep 300' </dev/null >/dev/null 2>&1"
 
 
@@ -92,7 +93,7 @@ def test_stop_signals_no_group_it_cannot_prove_is_the_runs(box, named):
         assert r.returncode == ExitStatus.RUN_STATE and len(lines) == 1, (r.returncode, r.stdout, r.stderr)
         assert lines[0].startswith(f"error: run victim on pve1/{CT}: not signalled: "), lines
         assert group_alive(box, holder) and group_alive(box, bystander), r.stderr
-        assert box.sh(f"ls {RUNS}/victim").split() == ["pgid", "pid", "started"]  # no `stopped` recorded
+        assert box.sh(f"ls {RUNS}/victim").split() == ["pgid", "pid", "run.sh", "started"]  # no `stopped`
     finally:
         # One group per kill: dash's kill takes no `--` ("Illegal number: -") and stops at its first
         # failing operand, which once left both groups running into the next test file's container.

@@ -104,30 +104,29 @@ def test_last_lines_and_known_failures_highlighted(deployed, live_run):
 
 
 def sshd_session_of(deployed):
-    """The sandbox's sshd process serving the SSH connection of the (one) log follower.
-
-    Only sessions under this sandbox's own sshd count: other test workers run followers of their
-    own sandboxes at the same time, and killing one of their sessions would fail their test."""
-    listener = sandbox_mod.status(deployed.sandbox.state_dir).hosts[0].sshd_pid
+    """The sandbox's sshd process serving the SSH connection of the (one) log follower."""
     def parent(p):
         return int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1])
 
     def cmdline(p):
         return open(f"/proc/{p}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
 
+    lxc = sandbox_mod.lxcpath(deployed.sandbox.host("pve1").dir)
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             cmd = cmdline(int(entry))
         except OSError:
             continue
-        # pct exec becomes `lxc-attach ... -- <the container's argv>` (pct execs it, as pve-container):
-        # the host process whose argv runs the runs helper's follow verb, under an sshd session
-        if " follow {" in cmd and ("lxc-attach " in cmd or f"{deployed.sandbox.pct} exec 200 " in cmd):
-            p, session = int(entry), None
+        # pct exec becomes `lxc-attach -P <lxcpath> ... -- <the container's argv>` (pct execs it, as
+        # pve-container): the host process whose argv runs the runs helper's follow verb, under an sshd
+        # session. Of this sandbox only (its lxcpath): a follower of another sandbox on the machine (an
+        # xdist worker's, another checkout's) is not ours to kill; it once was, and that follow ended
+        # with `exit -1` in test_jobs and test_launch.
+        if " follow {" in cmd and (cmd.startswith(f"/usr/bin/lxc-attach -P {lxc} -n 200 ")
+                                   or f"{deployed.sandbox.pct} exec 200 " in cmd):
+            p = int(entry)
             while p > 1:
-                if session is None and cmdline(p).startswith("sshd: root@"):
-                    session = p
-                if p == listener and session is not None:
-                    return session
+                if cmdline(p).startswith("sshd: root@"):
+                    return p
                 p = parent(p)
     raise AssertionError("no sshd session serving a follower")

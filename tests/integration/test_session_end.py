@@ -68,11 +68,13 @@ def test_a_killed_client_leaves_nothing_of_the_task_in_the_container(deployed, s
 
 def test_a_killed_client_leaves_no_follower_and_the_run_goes_on(deployed, sleepy):
     inventory, mark = sleepy
-    # A run as the follower sees one: .current names it and a process holds the runs lock. It was
-    # started detached (setsid -f) as `invoke train` starts runs, and must outlive the session.
+    # A run as the follower sees one: its wrapper (`sh <run>/run.sh`) holds the runs lock (flock's
+    # child inherits it). It was started detached (setsid -f) as `invoke train` starts runs, and must
+    # outlive the session.
     holder = f"sleep {int(mark) + 1}"
     deployed.sh('mkdir -p "$1/$2" && echo "$2" > "$1/.current" && echo "step 1" > "$1/$2/train.log" && '
-                'setsid -f flock "$1/.lock" $3 </dev/null >/dev/null 2>&1', RUNS, RUN, holder)
+                'echo "$3" > "$1/$2/run.sh" && '
+                'setsid -f flock "$1/.lock" sh "$1/$2/run.sh" </dev/null >/dev/null 2>&1', RUNS, RUN, holder)
     try:
         deployed.wait_for("the run to hold its lock", lambda: any(holder in p for p in deployed.processes()))
         kill_the_client_mid_command(deployed, inventory, ["logs", "--follow"], "tail -n 50 -F", "run_alive()")

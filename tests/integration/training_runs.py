@@ -96,9 +96,8 @@ class Deployed:
         """Leave the container without a live run for the next test."""
         if not os.path.exists(self.inventory):
             return
-        alive = self.container("sh", "-c", "cat /root/runs/.current 2>/dev/null", check=False).stdout.strip()
-        if alive:
-            self.invoke("stop", "--run", alive, "--grace", "0", check=False)
+        if self.container("test", "-e", "/root/runs/.lock", check=False).returncode == 0:
+            self.invoke("stop", "--grace", "0", check=False)  # without --run: the run holding the lock
 
 
 def deploy(sandbox, template) -> Deployed:

@@ -46,3 +46,24 @@ def test_a_reader_that_leaves_early_gets_no_traceback():
                        capture_output=True, text=True, timeout=60)
     assert "Traceback" not in r.stderr and "BrokenPipeError" not in r.stderr
     assert r.stdout.startswith("env LC_ALL=C.UTF-8 pct exec 2")
+
+
+@pytest.mark.parametrize("args", [["regenerate", "--timeout", "0"], ["eval", "--run", "r", "--timeout", "-5"],
+                                  ["exec", "--timeout", "inf", "--", "true"], ["plan", "--timeout", "nan"],
+                                  ["warmup", "--timeout", "abc"], ["stage", "--timeout", "1e400"]])
+def test_a_deadline_is_a_number_of_seconds_above_zero(args):
+    r = invoke(*args) if args[0] != "exec" else subprocess.run(
+        [sys.executable, "-m", "invoke", *args[:3], "--dry-run", "--inventory",
+         str(REPO / "inventory" / "production.yaml"), *args[3:]], cwd=REPO, capture_output=True, text=True,
+        timeout=60)
+    assert r.returncode == ExitStatus.USAGE, r.stderr
+    assert "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr
+    assert r.stderr.startswith("error: --timeout ") and r.stdout == "", r.stderr
+
+
+def test_a_good_deadline_is_accepted_and_the_default_is_documented():
+    r = invoke("regenerate", "--timeout", "90")
+    assert r.returncode == ExitStatus.OK, r.stderr
+    help_text = subprocess.run([sys.executable, "-m", "invoke", "--help", "regenerate"], cwd=REPO,
+                               capture_output=True, text=True, timeout=60).stdout
+    assert "default 43200" in " ".join(help_text.split()), help_text

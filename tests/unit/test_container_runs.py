@@ -4,11 +4,12 @@ the answers the local parsers read, forged facts that stay data, and `stop`'s pr
 import fcntl
 import json
 import os
+import signal
 import subprocess
 import sys
-import time
 
 import pytest
+from waiting import wait_for
 
 from dflash_ops import status
 from dflash_ops.remote import prelude
@@ -63,6 +64,22 @@ class HeldLock:
         self.f.close()
 
 
+class Wrapper:
+    """A live run as its processes are: its wrapper (`sh <run>/run.sh`, flock's child: it inherits the
+    lock's fd) holds the runs lock, which makes the run alive (prelude.lock_holder_run)."""
+
+    def __init__(self, runs, name):
+        (runs / name / "run.sh").write_text("sleep 60\n")
+        self.p = subprocess.Popen(["flock", str(runs / ".lock"), "sh", str(runs / name / "run.sh")],
+                                  start_new_session=True)
+        wait_for("the wrapper to hold the lock", lambda: prelude.alive_run(str(runs)) == name, timeout=30,
+                 every=0.05)
+
+    def release(self):
+        os.killpg(self.p.pid, signal.SIGKILL)
+        self.p.wait()
+
+
 KILLED = {"pid": "487\n", "pgid": "484\n", "started": "1795954052\n", "ended": "1795954068\n",
           "exit_code": "signal 9\n", "code_version": "tree c3f5d18a\n"}
 
@@ -90,18 +107,27 @@ def test_eval_json_with_backslashes_and_newlines_is_read_whole(runs):
     assert st.last_eval["acceptance_length"] == 2.5 and st.last_eval["prompts"] == 4
 
 
-def test_status_of_a_live_run_and_of_none(runs):
+def test_status_of_a_live_run_and_of_none(runs, tmp_path):
     assert status.parse_status(answer_text("status", runs=str(runs), name=None)).state == "none"
     assert status.parse_status(answer_text("status", runs=str(runs), name="nope")).state == "missing"
-    make_run(runs, "live", {"pid": "5", "pgid": "4", "started": str(int(time.time()))},
-             metrics='{"kind": "train", "step": 7, "loss": 1.5}\n{"kind": "train", "ste')
-    lock = HeldLock(runs)
+    assert launch(runs, tmp_path, name="live")["outcome"] == "started"
+    (runs / "live" / "metrics.jsonl").write_text('{"kind": "train", "step": 7, "loss": 1.5}\n'
+                                                 '{"kind": "train", "ste')
+    make_run(runs, "other", {"pid": "5", "exit_code": "1\n"})  # .current names it: still not the alive run
     try:
         st = status.parse_status(answer_text("status", runs=str(runs), name=None))
+        assert status.parse_status(answer_text("status", runs=str(runs), name="other")).state == "crashed"
+    finally:
+        assert call("stop", runs=str(runs), name="live", grace=5)["outcome"] == "term"
+    assert (st.run, st.state, st.step, st.loss) == ("live", "running", 7, 1.5)
+    assert status.parse_status(answer_text("status", runs=str(runs), name="live")).state == "stopped"
+    # A process holding the lock that is no run's wrapper makes no run alive, whatever .current says.
+    lock = HeldLock(runs)
+    try:
+        assert status.parse_status(answer_text("status", runs=str(runs), name="other")).state == "crashed"
+        assert prelude.alive_run(str(runs)) == "?"
     finally:
         lock.release()
-    assert (st.run, st.state, st.step, st.loss) == ("live", "running", 7, 1.5)
-    assert status.parse_status(answer_text("status", runs=str(runs), name="live")).state == "crashed"
 
 
 def test_huge_files_are_read_from_their_end_within_the_caps(runs):
@@ -178,7 +204,7 @@ def test_status_of_a_resumed_run_is_of_its_current_segment_only(runs):
 
 def test_a_resumed_run_alive_has_an_eta_from_this_segments_rate(runs):
     resumed_run(runs, stopped=False)
-    lock = HeldLock(runs)
+    lock = Wrapper(runs, "r1")
     try:
         answer = call("status", runs=str(runs), name="r1")
     finally:
@@ -315,16 +341,14 @@ def test_wait_streams_new_lines_until_the_first_step(runs, tmp_path, capsys):
 # --- stop signals only a group it has proven to be this run's ---------------------------------------------
 
 @pytest.mark.parametrize("pgid", ["0", "1", "own", "other", "-5", "", "12 34"])
-def test_stop_refuses_a_group_it_cannot_prove(runs, pgid):
+def test_stop_refuses_a_group_it_cannot_prove(runs, tmp_path, pgid):
     other = subprocess.Popen(["sleep", "60"], start_new_session=True)  # a live group that is not the run's
+    launch(runs, tmp_path, name="victim")  # alive: its wrapper holds the lock; its pgid file then lies
+    real = (runs / "victim" / "pgid").read_text()
     try:
         value = {"own": str(os.getpgrp()), "other": str(other.pid)}.get(pgid, pgid)
-        make_run(runs, "victim", {"pgid": value + "\n", "pid": "1"})
-        lock = HeldLock(runs)
-        try:
-            answer = call("stop", runs=str(runs), name="victim", grace=0)
-        finally:
-            lock.release()
+        (runs / "victim" / "pgid").write_text(value + "\n")
+        answer = call("stop", runs=str(runs), name="victim", grace=0)
         assert (answer["error"], answer["run"]) == ("unproven", "victim"), answer
         assert "\n" not in answer["message"]
         assert other.poll() is None  # the other group survived
@@ -332,19 +356,21 @@ def test_stop_refuses_a_group_it_cannot_prove(runs, pgid):
     finally:
         other.kill()
         other.wait()
+        (runs / "victim" / "pgid").write_text(real)
+        assert call("stop", runs=str(runs), name="victim", grace=5)["outcome"] == "term"
 
 
-def test_stop_refuses_a_wrapper_of_another_run(runs, tmp_path):
+def test_stop_signals_no_wrapper_of_another_run(runs, tmp_path):
     launch(runs, tmp_path, name="real")
     try:
         pgid = (runs / "real" / "pgid").read_text()
         make_run(runs, "impostor", {"pgid": pgid})  # .current now names it; the lock is real's
         answer = call("stop", runs=str(runs), name="impostor", grace=0)
-        assert answer["error"] == "unproven" and "not this run's wrapper" in answer["message"]
+        assert (answer["outcome"], answer["run"]) == ("notalive", "impostor"), answer
         assert container_runs.group_alive(int(pgid))
+        assert call("stop", runs=str(runs), name=None, grace=5)["outcome"] == "term"  # the alive one: real
     finally:
-        (runs / ".current").write_text("real\n")
-        assert call("stop", runs=str(runs), name="real", grace=5)["outcome"] == "term"
+        call("stop", runs=str(runs), name="real", grace=5)
 
 
 def test_serve_answers_one_json_line_even_for_bad_input(capsys):

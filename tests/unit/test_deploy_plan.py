@@ -4,18 +4,19 @@ remote/release.py and remote/facts.py are the exact text deploy sends to the con
 python; here they run as imported modules and through the same `python -c LOADER <packed>` argv.
 """
 
-import fcntl
 import hashlib
 import io
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
 
 import pytest
+from waiting import wait_for
 
 from dflash_ops import commands, deploy, history
 from dflash_ops.errors import RunStateError
@@ -355,10 +356,14 @@ def test_cache_cleaner_refuses_while_the_runs_lock_is_held_and_force_overrides(t
     (cache / "sub" / "k.bin").write_bytes(b"x" * 1000)
     args = {"caches": {"inductor": str(cache), "triton": str(tmp_path / "none")},
             "runs": str(runs)}
-    holder = open(runs / ".lock", "w")
-    fcntl.flock(holder, fcntl.LOCK_EX)  # what a live run's processes hold (launch.py)
+    # What a live run's processes hold (launch.py): its wrapper `sh <run>/run.sh` has the lock's fd.
+    (runs / "run-1").mkdir()
+    (runs / "run-1" / "run.sh").write_text("sleep 60\n")
+    holder = subprocess.Popen(["flock", str(runs / ".lock"), "sh", str(runs / "run-1" / "run.sh")],
+                              start_new_session=True)
     try:
-        assert prelude.alive_run(args["runs"]) == "run-1"
+        wait_for("the wrapper to hold the lock", lambda: prelude.alive_run(args["runs"]) == "run-1",
+                         timeout=30, every=0.05)
         with pytest.raises(prelude.Refused) as refused:
             container_runs.clean_caches(args)
         assert refused.value.answer == {"error": "busy", "message": "run run-1 is alive", "run": "run-1"}
@@ -366,11 +371,13 @@ def test_cache_cleaner_refuses_while_the_runs_lock_is_held_and_force_overrides(t
         answer = container_runs.clean_caches({**args, "force": True})
         forced = history.parse_clean(_Ct(args["caches"]), answer)
     finally:
-        holder.close()
+        os.killpg(holder.pid, signal.SIGKILL)
+        holder.wait()
     assert not cache.exists()
     assert [(f.name, f.bytes, f.files, f.existed) for f in forced] == [("inductor", 1000, 1, True),
                                                                        ("triton", 0, 0, False)]
-    assert prelude.alive_run(args["runs"]) is None
+    # the wrapper's group was SIGKILLed: the kernel frees the lock once its last process has gone
+    wait_for("the lock to be free", lambda: prelude.alive_run(args["runs"]) is None, timeout=30, every=0.05)
     with pytest.raises(RunStateError, match="'triton'|none could not be removed"):
         history.parse_clean(_Ct(args["caches"]), {"freed": {"inductor": {"left": False}}})
 

@@ -147,3 +147,44 @@ def test_container_side_resolves_latest_and_hashes_in_place(tmp_path):
     os.mkfifo(ckpt.parent / "latest")  # a FIFO would block a plain read forever
     assert run_container_side(tmp_path)["error"] == "unsafe"
     assert run_container_side(tmp_path, "step-20", ["../x"])["error"] == "usage"
+
+
+# A drafter's config.json as checkpoints.save_drafter writes it (2 layers, hidden 64): 82,368 parameters,
+# counted from a DFlashDrafter built with it; its model.safetensors took 331,864 bytes in fp32.
+DRAFTER = {"dtype": "float32", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+           "dflash_config": {"target_layer_ids": [1, 3], "block_size": 8}}
+
+
+def test_the_expected_size_counts_the_drafters_parameters_at_its_width():
+    assert fetch.expected_size(DRAFTER, with_state=False) == 82_368 * 4
+    assert fetch.expected_size({**DRAFTER, "dtype": "bfloat16"}, with_state=False) == 82_368 * 2
+    assert fetch.expected_size(DRAFTER, with_state=True) == 82_368 * 4 * 4  # + two moments and a copy
+    cap, expected = fetch.default_cap(json.dumps(DRAFTER).encode(), with_state=False)
+    assert expected == 82_368 * 4 and cap == int(1.5 * expected) + (64 << 20)
+    assert 331_864 < cap  # the real file, header included, is within it
+
+
+@pytest.mark.parametrize("config", [
+    b"{}", b"[]", b"not json", b"[" * 100_000,
+    json.dumps({**DRAFTER, "hidden_size": True}).encode(),
+    json.dumps({**DRAFTER, "hidden_size": 2**40}).encode(),
+    json.dumps({**DRAFTER, "num_hidden_layers": 0}).encode(),
+    json.dumps({**DRAFTER, "head_dim": "16"}).encode(),
+    json.dumps({**DRAFTER, "dflash_config": {"target_layer_ids": []}}).encode(),
+    json.dumps({k: v for k, v in DRAFTER.items() if k != "dflash_config"}).encode(),
+])
+def test_a_config_that_describes_no_drafter_gives_no_default(config):
+    assert fetch.default_cap(config, with_state=False) == (None, None)
+
+
+def test_the_default_never_passes_its_ceiling():
+    huge = {**DRAFTER, "hidden_size": 2**20, "intermediate_size": 2**20, "num_hidden_layers": 4096}
+    assert fetch.default_cap(json.dumps(huge).encode(), with_state=True)[0] == fetch.DEFAULT_CEILING
+
+
+def test_the_total_past_the_cap_is_one_line_naming_the_cap():
+    big, fits = (fetch.RemoteFile("model.safetensors", SHA, size, size) for size in (2 << 20, 1 << 20))
+    with pytest.raises(UntrustedData, match=r"more than fetch's cap of 1\.0 MiB \(--max-size\); nothing"):
+        fetch.check_total("pve1/200", [big], 1 << 20, "--max-size")
+    fetch.check_total("pve1/200", [fits], 1 << 20, "x")

@@ -49,3 +49,14 @@ def test_no_machine_paths_or_session_notes():
     pattern = "|".join(["/" + "work/", r"\.\./" + "shared/", "session " + "ends", "final " + "report"])
     found = subprocess.run(["git", "grep", "-nIE", pattern], cwd=ROOT, capture_output=True, text=True)
     assert found.stdout == ""
+
+
+def test_no_cron_line_of_the_docs_writes_to_a_shared_directory():
+    """A cron line of the runbooks once wrote `status --check` to a fixed /tmp/dflash-check.txt, which
+    another user of the machine could plant (a symlink) or read. Cron lines write to no /tmp or
+    /var/tmp path."""
+    lines = [line for path in tracked("*.md")
+             for block in re.findall(r"```cron\n(.*?)```", path.read_text(), flags=re.S)
+             for line in block.splitlines() if line.strip()]
+    assert lines, "the runbooks show cron lines"
+    assert not [line for line in lines if re.search(r"(?<![\w.])/(var/)?tmp/", line)], lines

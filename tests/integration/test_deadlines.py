@@ -1,7 +1,8 @@
 """Every task's work in the container has a deadline: a payload script that never ends (the container's
-venv python sleeps), a command that never ends, a FIFO that blocks `stage`'s checksum: each is ended at
-its --timeout, in the container too (its process group), and the operator reads one line and exit 13.
-Before, each of them waited for ever.
+venv python sleeps), a command that never ends: each is ended at its --timeout, in the container too
+(its process group), and the operator reads one line and exit 13. Before, each of them waited for ever.
+A FIFO planted in the target store (which blocked the shell `stage` of old) is refused at once by the
+stage verb, which opens nothing but regular files.
 
 No deploy: the container's venv is a shell script that sleeps, made from inside container 200.
 """
@@ -53,15 +54,14 @@ def ours(box, *needles):
     return [p for p in box.processes() if any(n in p for n in needles)]
 
 
-@pytest.mark.parametrize("task, what, hangs", [
-    (["plan"], "plan", None),
-    (["eval", "--run", "anyrun"], "evaluation", None),
-    (["regenerate", "--limit", "1"], "regeneration", None),
-    (["warmup"], "the warm-up", None),
-    (["exec"], "the command", None),  # `-- sleep <mark>`
-    (["stage"], "staging", "sha256sum"),  # the FIFO blocks its check of the copy
+@pytest.mark.parametrize("task, what", [
+    (["plan"], "plan"),
+    (["eval", "--run", "anyrun"], "evaluation"),
+    (["regenerate", "--limit", "1"], "regeneration"),
+    (["warmup"], "the warm-up"),
+    (["exec"], "the command"),  # `-- sleep <mark>`
 ])
-def test_a_task_that_never_ends_is_ended_at_its_deadline_with_one_line(hung, task, what, hangs):
+def test_a_task_that_never_ends_is_ended_at_its_deadline_with_one_line(hung, task, what):
     box, inventory, mark = hung
     command = ["--", "sleep", mark] if task == ["exec"] else []
     argv = [sys.executable, "-m", "invoke", *task, "--timeout", "2", "--inventory", inventory, "--ct", CT,
@@ -74,4 +74,17 @@ def test_a_task_that_never_ends_is_ended_at_its_deadline_with_one_line(hung, tas
                       "(its process group with it); give a longer --timeout"], r.stderr
     # Its process group in the container is gone with the session (SIGTERM, SIGKILL 5 s later).
     wait_for(f"nothing of `{task[0]}` left in the container",
-             lambda: not ours(box, f"sleep {mark}", *([hangs] if hangs else [])), timeout=60, every=0.5)
+             lambda: not ours(box, f"sleep {mark}"), timeout=60, every=0.5)
+
+
+def test_a_fifo_in_the_target_store_is_refused_at_once_and_nothing_is_replaced(hung):
+    box, inventory, _ = hung
+    argv = [sys.executable, "-m", "invoke", "stage", "--timeout", "60", "--inventory", inventory, "--ct", CT]
+    r = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == ExitStatus.CHECKSUM_MISMATCH, f"exit {r.returncode}\n{r.stdout}\n{r.stderr}"
+    assert TRACEBACK not in r.stdout + r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "./w: FAILED open or read" in errors[0], r.stderr
+    assert "nothing was replaced" in errors[0]
+    assert box.container("cat", f"{ROOT}/model/config.json").stdout == "{}\n"  # the old copy stays
+    assert not [p for p in box.processes() if "dflash-session" in p]

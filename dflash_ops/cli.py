@@ -83,6 +83,46 @@ def _usage_errors_exit_2() -> None:
 _usage_errors_exit_2()
 
 
+def _quiet_stdout() -> None:
+    """The reader of stdout left (`invoke --list | head -1`): later writes, and the flush at exit, go
+    to /dev/null instead of raising BrokenPipeError again."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def _stops_quietly(method):
+    """A Program step that writes or runs tasks (the help, --list, the tasks), made to end as every
+    task does: a closed pipe stops quietly (exit 141), Ctrl-C prints `interrupted` (exit 130), never a
+    traceback. The output is flushed inside it, so a closed pipe is seen here, not at the exit."""
+
+    @functools.wraps(method)
+    def quietly(self, *args, **kwargs):
+        try:
+            result = method(self, *args, **kwargs)
+            sys.stdout.flush()
+            return result
+        except BrokenPipeError:
+            _quiet_stdout()
+            raise Exit(code=ExitStatus.BROKEN_PIPE) from None
+        except KeyboardInterrupt:
+            raise Exit("interrupted", code=ExitStatus.INTERRUPTED) from None
+
+    quietly.stops_quietly = True
+    return quietly
+
+
+def _program_steps_stop_quietly() -> None:
+    """Invoke's Program prints the help and --list in parse_cleanup and runs the tasks in execute,
+    both after tasks.py is imported; they are wrapped once here (a reader that leaves or a Ctrl-C
+    earlier, while Python imports, is Python's own)."""
+    for name in ("parse_cleanup", "execute"):
+        method = getattr(invoke.Program, name)
+        if not getattr(method, "stops_quietly", False):
+            setattr(invoke.Program, name, _stops_quietly(method))
+
+
+_program_steps_stop_quietly()
+
+
 class Executor(invoke.Executor):
     def expand_calls(self, calls):
         calls = super().expand_calls(calls)
@@ -256,7 +296,7 @@ def reports_errors(fn):
             raise Exit("interrupted", code=ExitStatus.INTERRUPTED) from None
         except BrokenPipeError:
             # `invoke status | head -3`: the reader left; stop quietly, as other CLI tools do.
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            _quiet_stdout()
             raise Exit(code=ExitStatus.BROKEN_PIPE) from None
 
     return wrapper

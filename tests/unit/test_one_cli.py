@@ -110,3 +110,54 @@ def test_a_fan_out_rows_fix_names_its_container():
     assert fanout.name_container("`invoke logs --run r -n 200`, `invoke stop --ct 200`, `invoke sandbox.up`",
                                  201) == "`invoke logs --run r -n 200 --ct 201`, `invoke stop --ct 200`, " \
                                          "`invoke sandbox.up`"
+
+
+def invoke_into_a_closed_pipe(*args):
+    """`invoke ARGS | head -1` once head has gone: stdout is a pipe whose reader is closed."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run([sys.executable, "-m", "invoke", *args], cwd=REPO, stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write_end)
+
+
+@pytest.mark.parametrize("args", [["--help", "status"], ["--list"]])
+def test_output_into_a_closed_pipe_stops_quietly(args):
+    # (a bare `invoke --help` is Invoke's own, printed before it imports tasks.py)
+    r = invoke_into_a_closed_pipe(*args)
+    assert r.returncode == 141 and r.stderr == "", r.stderr  # no BrokenPipeError traceback
+
+
+def test_a_task_into_a_closed_pipe_stops_quietly():
+    # a task's own output (here a dry run's command lines, printed without a host)
+    r = invoke_into_a_closed_pipe("status", "--dry-run", "--inventory", "inventory/production.yaml")
+    assert r.returncode == 141 and "Traceback" not in r.stderr, r.stderr
+    assert "Exception ignored" not in r.stderr, r.stderr
+
+
+def test_ctrl_c_while_a_task_waits_for_its_host_is_one_line(tmp_path):
+    """SIGINT (what Ctrl-C sends) once the task is connecting to a loopback port that never answers."""
+    import signal
+    import socket
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(1)
+        inventory = tmp_path / "inv.yaml"
+        inventory.write_text(f"""default_container: 200
+hosts:
+  h: {{address: 127.0.0.1, port: {silent.getsockname()[1]}, user: root, key: {tmp_path}/key,
+      known_hosts: {tmp_path}/known_hosts}}
+containers:
+  200: {{host: h}}
+""")
+        p = subprocess.Popen([sys.executable, "-m", "invoke", "status", "--inventory", str(inventory)],
+                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        silent.settimeout(60)
+        connection, _ = silent.accept()  # the task is working: it waits for the host's banner
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+        connection.close()
+    assert p.returncode == 130 and err == "interrupted\n", err

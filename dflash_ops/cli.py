@@ -8,9 +8,11 @@ shared option to every task, refusing two different values.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import gc
 import inspect
+import json
 import os
 import sys
 
@@ -39,6 +41,7 @@ COMMON_HELP = {
     "dry_run": "print the exact host command lines and connect to nothing",
     "group": "an inventory group of containers",
     "run": "run name (default: the latest run); given once, it applies to every task of the invocation",
+    "json": "print the result as JSON for scripts (several containers: {container: result})",
 }
 
 
@@ -152,27 +155,47 @@ def targets(c, ct=None, group=None, inventory=None, dry_run=False) -> list[Targe
     return resolve(inventory_path(c, inventory), ct, group, dry_run)
 
 
-def show(result) -> None:
+def show(result, as_json: bool = False) -> None:
     """THE output of a task: print what it returned, then raise its `error` if it has one (doctor:
     the table first, then exit 1; a fan-out: the rows, then exit 8).
 
     `describe()` is text (shown visibly: results quote the container), a rich renderable or a list
-    of both; an `aside()` (a fan-out's table beside `status --json`'s JSON) goes to stderr first.
-    A result may carry `exit_with` (status --check: the monitoring-plugin code) instead of an error.
+    of both; an `aside()` (`status --check`'s lines) goes to stderr first. A result may carry
+    `exit_with` (status --check: the monitoring-plugin code) instead of an error.
+
+    `as_json` (a task's --json): `facts()` instead, as JSON on stdout, the same for every task (a
+    fan-out: {container: facts}, its table on stderr); the error and exit code are the same.
     """
     if result is None:
         return
     width = getattr(result, "pipe_width", 240)
     aside = getattr(result, "aside", None)
-    if aside is not None:
-        _print(aside(), stderr=True, width=width)
-    _print(result.describe(), width=width)
+    if as_json:
+        if isinstance(result, fanout.Rows):  # the rows for a person, the facts for the script
+            _print(result.describe(), stderr=True, width=width)
+        print(as_json_text(result.facts()))
+    else:
+        if aside is not None:
+            _print(aside(), stderr=True, width=width)
+        _print(result.describe(), width=width)
     error = getattr(result, "error", None)
     if error is not None:
         raise error
     code = getattr(result, "exit_with", 0)
     if code:
         raise Exit(code=code)
+
+
+def working_output(as_json: bool):
+    """Where a task's progress goes while it works (pip's output, a log until the first step, an
+    evaluation's lines): stdout, or with --json stderr, so that stdout holds the JSON alone."""
+    return contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext()
+
+
+def as_json_text(facts) -> str:
+    """A result's facts as `--json` prints them: indented, ASCII only (a container's control
+    characters and escape sequences arrive as JSON escapes, never as terminal bytes)."""
+    return json.dumps(facts, indent=2, ensure_ascii=True, default=str)
 
 
 class Changed:
@@ -218,22 +241,28 @@ def on_targets(fn, fan_out):
         dry_run = bool(options.get("dry_run"))
         chosen = resolve(inventory_path(c, options.get("inventory")), options.get("ct"), options.get("group"),
                          dry_run)
+        as_json = bool(options.get("json"))
         if len(chosen) == 1 and not chosen[0].grouped:
-            result = fn(chosen[0], **options)
+            with working_output(as_json):
+                result = fn(chosen[0], **options)
             if not dry_run:
-                show(result)
+                show(result, as_json)
             return
         if fan_out is None:
             raise UsageError("this task works on one container; give a single --ct")
         if fan_out is not ROWS:
-            show(fan_out(chosen, **options))
+            with working_output(as_json):
+                result = fan_out(chosen, **options)
+            show(result, as_json)
             return
 
         def row(t):
             result = fn(t, **options)
             return "dry run" if dry_run or result is None else result
 
-        show(fanout.Rows(fn.__name__.replace("_", "-"), fanout.run(chosen, row)))
+        with working_output(as_json):
+            outcomes = fanout.run(chosen, row)
+        show(fanout.Rows(fn.__name__.replace("_", "-"), outcomes), as_json)
 
     return run
 
@@ -248,6 +277,8 @@ def status(c, run=None, json=False, stall_after=600, ct=None, group=None, invent
     def chosen():
         return targets(c, ct, group, inventory, dry_run)
 
+    if json and (check or prometheus is not None):
+        raise UsageError("--json is the view's; --check and --prometheus have their own formats: give one")
     if check:
         return alerting.plugin_check(chosen, run, stall_after, hang_after, min_free, min_free_shm)
     if prometheus is not None:
@@ -264,7 +295,10 @@ def shows(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        show(fn(*args, **kwargs))
+        as_json = bool(kwargs.get("json"))
+        with working_output(as_json):
+            result = fn(*args, **kwargs)
+        show(result, as_json)
 
     return wrapper
 

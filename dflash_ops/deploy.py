@@ -23,7 +23,7 @@ import subprocess
 import tarfile
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import commands, terminal
@@ -224,6 +224,11 @@ class DeployReport:
 
     def describe(self) -> str:
         return describe(self)
+
+    def facts(self) -> dict:
+        out = asdict(self)
+        out["torch"] = None if self.torch is None else asdict(self.torch)
+        return out
 
     def row(self) -> str:
         return describe(self).removeprefix("deploy: ")

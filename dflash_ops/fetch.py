@@ -94,6 +94,11 @@ class Fetched:
         return (f"{self.to}: {len(self.files)} files from {terminal.visible(self.checkpoint)}, "
                 f"{self.total_bytes / 2**20:.1f} MiB, sha256 verified")
 
+    def facts(self) -> dict:
+        """--json: where the checkpoint went and each file's size and sha256 (verified)."""
+        return {"run": self.run, "checkpoint": self.checkpoint, "to": self.to, "bytes": self.total_bytes,
+                "files": [{"name": f.name, "size": f.size, "sha256": f.sha256} for f in self.files]}
+
     def row(self) -> str:
         return self.describe()
 

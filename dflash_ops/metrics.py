@@ -204,6 +204,14 @@ class Shown:
         return [table(self.metrics, self.n), *([summary] if summary else []),
                 *([f"plot: {self.plotted}"] if self.plotted else [])]
 
+    def facts(self) -> dict:
+        """--json: the records the table shows (the last -n train steps; 0: all), every held-out
+        evaluation, checkpoint and dflash evaluation, and where the plot went."""
+        m = self.metrics
+        return {"run": m.run, "steps": len(m.train), "train": m.train[-self.n:] if self.n > 0 else m.train,
+                "eval": m.eval, "checkpoints": m.checkpoints, "dflash_evals": m.dflash_evals,
+                "skipped_lines": m.skipped, "bytes_left_out": m.left_out, "plot": self.plotted}
+
     def row(self) -> str:
         return f"run {self.metrics.run}: {len(self.metrics.train)} logged steps"
 

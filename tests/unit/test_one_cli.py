@@ -2,6 +2,7 @@
 no broken option."""
 
 import io
+import json
 import os
 import subprocess
 import sys
@@ -161,3 +162,60 @@ containers:
         out, err = p.communicate(timeout=60)
         connection.close()
     assert p.returncode == 130 and err == "interrupted\n", err
+
+
+# Tasks that report something a script could want have --json; these do not: they stream (a log, a
+# shell, a warm-up's progress, watch's events) or manage the local test host and connections.
+NO_JSON = {"shell", "exec", "logs", "warmup", "watch", "disconnect", "sandbox.up", "sandbox.down",
+           "sandbox.status"}
+
+
+@pytest.mark.parametrize("name, task", list(every_task()), ids=[n for n, _ in every_task()])
+def test_every_task_that_reports_has_json(name, task):
+    assert ("json" in flags(task)) == (name not in NO_JSON), name
+
+
+class Reported:
+    def __init__(self, facts, error=None):
+        self._facts, self.error = facts, error
+
+    def describe(self):
+        return "for a person"
+
+    def facts(self):
+        return self._facts
+
+    def row(self):
+        return "a row"
+
+
+def test_json_is_the_results_facts_on_stdout_and_the_error_still_counts(capsys):
+    cli.show(Reported({"run": "r\x1b[2J", "n": 1}), as_json=True)
+    out = capsys.readouterr().out
+    assert json.loads(out) == {"run": "r\x1b[2J", "n": 1} and "\x1b" not in out  # an escape, not the byte
+    with pytest.raises(doctor.DoctorFailed):
+        cli.show(Reported({"ok": False}, error=doctor.DoctorFailed("1 check failed")), as_json=True)
+    assert json.loads(capsys.readouterr().out) == {"ok": False}  # printed before the error
+
+
+def test_json_over_several_containers_is_one_object_and_the_rows_go_to_stderr(capsys):
+    inv = parse_inventory({"hosts": {"h": {"address": "h.example"}},
+                           "containers": {200: {"host": "h"}, 201: {"host": "h"}}})
+    targets = [Target(inv, inv.container(n), None, False) for n in (201, 200)]
+    rows = fanout.Rows("doctor", [fanout.Outcome(targets[0], error=doctor.DoctorFailed("venv: missing")),
+                                  fanout.Outcome(targets[1], Reported({"ok": True}))])
+    with pytest.raises(Exception, match="1 of 2 containers failed"):
+        cli.show(rows, as_json=True)
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) == {targets[1].container.label: {"ok": True},
+                                        targets[0].container.label: {"error": "venv: missing"}}
+    assert "container" in captured.err  # the table, for the person watching
+
+
+def test_a_tasks_progress_goes_to_stderr_under_json(capsys):
+    with cli.working_output(True):
+        print("pip: installing ...")
+    with cli.working_output(False):
+        print("shown")
+    captured = capsys.readouterr()
+    assert captured.err == "pip: installing ...\n" and captured.out == "shown\n"

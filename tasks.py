@@ -304,7 +304,7 @@ def logs(t, run=None, n=50, follow=False, raw=False, ct=None, group=None, invent
     "prometheus": "Prometheus text format on stdout, or written atomically to this file "
                   "(textfile collector)"})
 def status(c, run=None, json=False, stall_after=600, ct=None, group=None, inventory=None, dry_run=False,
-           watch=False, interval=5, check=False, hang_after=1800, min_free="10G", min_free_shm="512M",
+           check=False, hang_after=1800, watch=False, interval=5, min_free="10G", min_free_shm="512M",
            prometheus=None):
     """Show a run's state, progress and the GPUs, in one round trip.
 
@@ -523,19 +523,26 @@ def regenerate(t, src=None, out_dir=None, max_new_tokens=None, limit=None, batch
                                timeout=timeout)
 
 
-@op_task(help={"run": "run name (default: the latest run)",
-               "plot": "also write a PNG here: loss, acceptance length, per-slot accuracy, tokens/s",
+@op_task(help={"run": "run name (default: the latest run); several, comma-separated (a,b), are overlaid",
+               "plot": "also write a PNG here: loss, acceptance length, per-slot accuracy, tokens/s (several "
+                       "runs: one line per run)",
+               "tensorboard": "also write TensorBoard event files under this directory, one dir per run "
+                              "(`tensorboard --logdir DIR`)",
                "n": "how many of the last logged steps the table shows (0: all)"})
-def metrics(t, run=None, plot=None, n=20, json=False, ct=None, inventory=None, dry_run=False):
+def metrics(t, run=None, plot=None, tensorboard=None, n=20, json=False, ct=None, inventory=None,
+            dry_run=False):
     """Show a run's recent metrics as a table, and plot the whole run with --plot FILE.png.
 
-    Reads metrics.jsonl and evals.jsonl from the container in one round trip. The table: step, loss,
-    held-out loss, acceptance length, accuracy of slots 1-4, tokens/s, learning rate, memory. The plot
-    adds held-out points, the dflash evaluations (`invoke eval`) and the checkpoints.
+    Reads metrics.jsonl and evals.jsonl from the container in one round trip per run. The table: step,
+    loss, held-out loss, acceptance length, accuracy of slots 1-4, tokens/s, learning rate, memory. The
+    plot adds held-out points, the dflash evaluations (`invoke eval`) and the checkpoints; with
+    --run a,b it overlays the runs (loss, acceptance length, held-out loss, tokens/s; a legend names
+    them). --tensorboard DIR writes each run's scalars to DIR/<run>/ (train/*, heldout/*,
+    dflash_eval/*, by step), replacing that run's earlier export there.
     """
     from dflash_ops import metrics as metrics_mod
 
-    return metrics_mod.show(t, run, int(n), plot)
+    return metrics_mod.show(t, run, int(n), plot, tensorboard)
 
 
 @op_task(help={"run": "run name", "to": "local directory (DIR/config.json, DIR/model.safetensors)",

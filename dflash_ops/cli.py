@@ -377,7 +377,8 @@ def parse_numbers(fn):
 
 # Short flags. `-h` after a task name is Invoke's help (`invoke deploy -h`), so no option takes it;
 # an option of several tasks has the same letter in all of them (these, where Invoke's automatic
-# letters would differ); every other option gets Invoke's automatic letter.
+# letters would differ), and no other option has that letter; every other option gets Invoke's
+# automatic letter.
 SHORT_FLAGS = {"ct": "c", "group": "g", "inventory": "i", "dry_run": "d", "run": "r", "device": "v",
                "target": "t", "wait": "w", "timeout": "T"}
 HELP_FLAG = "h"
@@ -390,8 +391,10 @@ class OpTask(invoke.Task):
     """Invoke's Task with the short-flag rule above."""
 
     def arg_opts(self, name, default, taken_names):
-        fixed = {SHORT_FLAGS[p] for p in self.argspec(self.body).parameters if p in SHORT_FLAGS}
-        opts = super().arg_opts(name, default, set(taken_names) | fixed | {HELP_FLAG} | NEVER_AUTOMATIC)
+        # SHORT_FLAGS' letters are theirs in every task, even one without that option (`-t` is never
+        # `--to` in one task and `--target` in another)
+        reserved = set(SHORT_FLAGS.values())
+        opts = super().arg_opts(name, default, set(taken_names) | reserved | {HELP_FLAG} | NEVER_AUTOMATIC)
         if name in SHORT_FLAGS and self.auto_shortflags:
             opts["names"] = [opts["names"][0], SHORT_FLAGS[name]]
         return opts

@@ -44,6 +44,15 @@ def test_a_shared_option_has_one_letter_everywhere():
                 assert letter in names, (name, option, names)
 
 
+def test_a_shared_options_letter_means_only_that_option():
+    """`-t` is --target wherever it exists, never --to (fetch), --interval (status) or --tensorboard."""
+    meaning = {letter: option for option, letter in cli.SHORT_FLAGS.items()}
+    for name, task in every_task():
+        for param, names in flags(task).items():
+            for letter in set(names) & set(meaning):
+                assert meaning[letter] == param, (name, param, letter)
+
+
 def invoke(*args):
     return subprocess.run([sys.executable, "-m", "invoke", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=60)
@@ -219,3 +228,4 @@ def test_a_tasks_progress_goes_to_stderr_under_json(capsys):
         print("shown")
     captured = capsys.readouterr()
     assert captured.err == "pip: installing ...\n" and captured.out == "shown\n"
+

@@ -173,7 +173,7 @@ def show(result, as_json: bool = False) -> None:
     if as_json:
         if isinstance(result, fanout.Rows):  # the rows for a person, the facts for the script
             _print(result.describe(), stderr=True, width=width)
-        print(as_json_text(result.facts()))
+        print(as_json_text(result.facts()), file=_JSON_OUT[0] if _JSON_OUT else sys.stdout)
     else:
         if aside is not None:
             _print(aside(), stderr=True, width=width)
@@ -186,10 +186,24 @@ def show(result, as_json: bool = False) -> None:
         raise Exit(code=code)
 
 
+_JSON_OUT: list = []  # with --json: the stdout the JSON goes to, while the task's progress goes to stderr
+
+
+@contextlib.contextmanager
 def working_output(as_json: bool):
     """Where a task's progress goes while it works (pip's output, a log until the first step, an
-    evaluation's lines): stdout, or with --json stderr, so that stdout holds the JSON alone."""
-    return contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext()
+    evaluation's lines): stdout, or with --json stderr, so that stdout holds the JSON alone (`show`
+    prints it to the stdout of the outermost --json, however nested: `status` shows through
+    `on_targets`)."""
+    if not as_json:
+        yield
+        return
+    _JSON_OUT.append(sys.stdout)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        _JSON_OUT.pop()
 
 
 def as_json_text(facts) -> str:

@@ -134,8 +134,8 @@ def read_events(folder):
             (body_crc,) = struct.unpack("<I", data[at + 12 + length:at + 16 + length])
             assert head_crc == masked(head) and body_crc == masked(body)
             event = Event.FromString(body)
-            for value in event.summary.value:
-                scalars.setdefault(value.tag, []).append((event.step, round(value.simple_value, 4)))  # float32
+            for value in event.summary.value:  # float32 values: compared at 4 decimals
+                scalars.setdefault(value.tag, []).append((event.step, round(value.simple_value, 4)))
             at += 16 + length
     return scalars
 

@@ -224,8 +224,12 @@ def test_json_over_several_containers_is_one_object_and_the_rows_go_to_stderr(ca
 def test_a_tasks_progress_goes_to_stderr_under_json(capsys):
     with cli.working_output(True):
         print("pip: installing ...")
+        with cli.working_output(True):  # status: the task's body shows through on_targets
+            print("more progress")
+            cli.show(Reported({"ok": True}), as_json=True)
     with cli.working_output(False):
         print("shown")
     captured = capsys.readouterr()
-    assert captured.err == "pip: installing ...\n" and captured.out == "shown\n"
+    assert captured.err == "pip: installing ...\nmore progress\n"
+    assert captured.out == '{\n  "ok": true\n}\nshown\n'
 

@@ -277,9 +277,17 @@ def train(t, run=None, config=None, set=None, max_steps=None, ct=None, group=Non
     "n": "how many of the last lines to show",
     "follow": "keep printing new lines until the run ends (Ctrl-C stops following only)",
     "raw": "the log's bytes as written, escape sequences included (default: control characters "
-           "shown visibly, e.g. ESC as ^[)"})
-def logs(t, run=None, n=50, follow=False, raw=False, ct=None, group=None, inventory=None, dry_run=False):
+           "shown visibly, e.g. ESC as ^[)",
+    "grep": "only the lines this regular expression (Python's) matches, e.g. 'loss|ERROR' (followed "
+            "lines too)",
+    "since": "only the lines written since: 10m, 2h, 1d, or an ISO time (2026-01-01T12:00:00Z)"})
+def logs(t, run=None, n=50, follow=False, raw=False, grep=None, since=None, ct=None, group=None,
+         inventory=None, dry_run=False):
     """Show a run's log (the last -n lines), or follow it until the run ends.
+
+    --grep RE and --since 10m choose among the log's last 32 MiB in the container (within the call's
+    time; a line's time is its HH:MM:SS, or the time of the line before it), then -n keeps the last of
+    those; the output says when the log is longer than what was searched.
 
     Lines that match a known failure (the torch.compile FX-tracing race, CUDA out of memory, NCCL
     errors, disk full, a broken venv) are highlighted with the runbook to read. `--follow` uses
@@ -289,7 +297,7 @@ def logs(t, run=None, n=50, follow=False, raw=False, ct=None, group=None, invent
     from dflash_ops import logs as logs_mod
 
     # several containers: every line prefixed with its container
-    return logs_mod.show(t, run, n, follow, raw=bool(raw))
+    return logs_mod.show(t, run, n, follow, raw=bool(raw), grep=grep, since=since)
 
 
 @op_task(optional=["prometheus"], help={

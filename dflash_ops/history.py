@@ -28,13 +28,13 @@ AGE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
-def parse_age(text: str | None) -> int | None:
+def parse_age(text: str | None, flag: str = "--older-than") -> int | None:
     """`7d`, `12h`, `30m`, `2w`, `90s` -> seconds; None stays None."""
     if text is None:
         return None
     m = AGE.match(str(text))
     if not m:
-        raise UsageError(f"--older-than {str(text)[:40]!r}: expected an age such as 7d, 12h, 30m or 2w")
+        raise UsageError(f"{flag} {str(text)[:40]!r}: expected an age such as 7d, 12h, 30m or 2w")
     return int(float(m.group(1)) * UNITS[m.group(2)])
 
 

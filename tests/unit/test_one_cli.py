@@ -233,3 +233,21 @@ def test_a_tasks_progress_goes_to_stderr_under_json(capsys):
     assert captured.err == "pip: installing ...\nmore progress\n"
     assert captured.out == '{\n  "ok": true\n}\nshown\n'
 
+
+@pytest.mark.parametrize("args, said", [
+    (["--grep", "("], "error: --grep '(': not a regular expression: missing ), unterminated subpattern"),
+    (["--since", "yesterday"], "error: --since 'yesterday': expected an age such as 10m"),
+    (["--grep", "x" * 1001], "error: --grep: 1001 characters; at most 1000"),
+])
+def test_a_bad_grep_or_since_is_one_line_before_any_round_trip(args, said):
+    r = invoke("logs", *args, "--dry-run", "--inventory", "inventory/production.yaml")
+    assert r.returncode == 2 and r.stderr.startswith(said) and r.stderr.count("\n") == 1, r.stderr
+    assert r.stdout == ""
+
+
+def test_since_is_an_age_on_the_containers_clock_or_a_time():
+    from dflash_ops import logs
+
+    assert logs.parse_since("10m") == {"ago": 600} and logs.parse_since("2h") == {"ago": 7200}
+    assert logs.parse_since("2026-01-01T00:00:00Z") == {"at": 1767225600.0}
+    assert logs.parse_since("2026-01-01T01:00:00+01:00") == {"at": 1767225600.0}

@@ -114,8 +114,10 @@ def sandbox_status(c):
 # --- deploy, doctor, compile caches ---------------------------------------------------------------
 @op_task(fan_out=ROWS,
          help={"check": "import torch in the container again even if its requirements and GPUs "
-                        "did not change"})
-def deploy(t, ct=None, group=None, dry_run=False, inventory=None, check=False, json=False):
+                        "did not change",
+               "dry_run": "read the container's state (one read-only round trip) and print what a deploy "
+                          "would do, changing nothing (-v: the exact host lines)"})
+def deploy(t, ct=None, group=None, dry_run=False, inventory=None, check=False, json=False, verbose=False):
     """Ship remote_scripts/ into the container, refresh its venv if the requirements changed, check torch.
 
     Only files whose sha256 differs from the container's copy travel, as one tar over SFTP; the
@@ -127,10 +129,15 @@ def deploy(t, ct=None, group=None, dry_run=False, inventory=None, check=False, j
     recorded in the venv and runs again only when the requirements or the GPU set changed, or with
     --check), and creates the tiny target model when the inventory asks for one. Nothing changed:
     one round trip, no torch import.
+
+    --dry-run reads the container's state in that one read-only round trip (no torch import, nothing
+    written) and prints the plan: the files that would be sent with their sizes, whether the venv
+    would be created, refreshed or kept and why, the torch check, the model, the steps in words; -v
+    adds each step's exact host line (packed helper code elided).
     """
     from dflash_ops import deploy as deploy_mod
 
-    return deploy_mod.deploy(t, check=check)
+    return deploy_mod.deploy(t, check=check, verbose=bool(verbose))
 
 
 

@@ -42,6 +42,7 @@ COMMON_HELP = {
     "group": "an inventory group of containers",
     "run": "run name (default: the latest run); given once, it applies to every task of the invocation",
     "json": "print the result as JSON for scripts (several containers: {container: result})",
+    "verbose": "with --dry-run: also the exact host lines (packed helper code elided)",
 }
 
 
@@ -259,7 +260,7 @@ def on_targets(fn, fan_out):
         if len(chosen) == 1 and not chosen[0].grouped:
             with working_output(as_json):
                 result = fn(chosen[0], **options)
-            if not dry_run:
+            if not dry_run or getattr(result, "shown_in_dry_run", False):  # deploy's plan
                 show(result, as_json)
             return
         if fan_out is None:
@@ -272,7 +273,8 @@ def on_targets(fn, fan_out):
 
         def row(t):
             result = fn(t, **options)
-            return "dry run" if dry_run or result is None else result
+            shown = result is not None and (not dry_run or getattr(result, "shown_in_dry_run", False))
+            return result if shown else "dry run"
 
         with working_output(as_json):
             outcomes = fanout.run(chosen, row)
@@ -393,8 +395,8 @@ def parse_numbers(fn):
 # an option of several tasks has the same letter in all of them (these, where Invoke's automatic
 # letters would differ), and no other option has that letter; every other option gets Invoke's
 # automatic letter.
-SHORT_FLAGS = {"ct": "c", "group": "g", "inventory": "i", "dry_run": "d", "run": "r", "device": "v",
-               "target": "t", "wait": "w", "timeout": "T"}
+SHORT_FLAGS = {"ct": "c", "group": "g", "inventory": "i", "dry_run": "d", "run": "r", "verbose": "v",
+               "device": "e", "target": "t", "wait": "w", "timeout": "T"}
 HELP_FLAG = "h"
 # `-n` is a count everywhere (`logs -n 200`, `metrics -n 50`): only a parameter named n has it. And a
 # dash is never a short flag (Invoke would pick the `-` of `min-free-shm`: `--=STRING` in the help).

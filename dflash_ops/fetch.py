@@ -350,6 +350,12 @@ def fetch(t, run: str, to: str, checkpoint: str = "latest", force: bool = False,
     if os.path.lexists(to) and not force and os.listdir(to):
         raise UsageError(f"{to} exists and is not empty; give --force to replace the checkpoint's "
                          "files in it")
+    made_in = os.path.dirname(to)  # a missing --to is made, with its missing parents, in this dir
+    while not os.path.lexists(made_in):
+        made_in = os.path.dirname(made_in)
+    if not os.path.isdir(made_in) or not os.access(made_in, os.W_OK):
+        raise UsageError(f"--to {to}: {made_in} is not a writable directory, so {to} cannot be made; "
+                         "give another --to")
 
     payload = {"runs": ct.paths.runs, "run": run, "checkpoint": checkpoint, "names": names}
     try:

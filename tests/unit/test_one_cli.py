@@ -99,6 +99,14 @@ def test_a_bad_plot_path_is_one_line_before_any_round_trip(path, said):
     assert r.stderr.count("\n") == 1 and r.stdout == ""  # nothing sent, not even in the dry run
 
 
+@pytest.mark.parametrize("to", ["/dev/null/x/drafter", "/etc/hostname/drafter"])
+def test_a_fetch_destination_that_cannot_be_made_is_one_line_before_any_round_trip(to):
+    r = invoke("fetch", "--run", "r1", "--to", to, "--dry-run", "--inventory", "inventory/production.yaml")
+    assert r.returncode == 2 and r.stderr.startswith(f"error: --to {to}: ") and r.stderr.count("\n") == 1, \
+        r.stderr
+    assert "is not a writable directory" in r.stderr and r.stdout == ""
+
+
 def test_a_refused_warmup_prints_no_raw_json():
     """The container's refusal is one JSON line before it would become the warm-up: the task turns it
     into its one error line (`run X is alive ...`); it is not shown as it came."""

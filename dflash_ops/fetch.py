@@ -213,6 +213,16 @@ def raise_refusal(refusal: ship.Refusal) -> None:
 
 
 # --- the local side --------------------------------------------------------------------------------
+def check_can_make(to: str) -> None:
+    """A missing --to is made, with its missing parents, in its nearest existing ancestor: that must be
+    a writable directory (`/dev/null/x` is one line before any round trip, not a traceback after)."""
+    made_in = os.path.dirname(to)
+    while not os.path.lexists(made_in):
+        made_in = os.path.dirname(made_in)
+    if not os.path.isdir(made_in) or not os.access(made_in, os.W_OK):
+        raise UsageError(f"--to {to}: {made_in} is not a writable directory, so {to} cannot be made; "
+                         "give another --to")
+
 def open_destination(to: str, force: bool) -> tuple[int, bool]:
     """(an fd of the checked directory `to`, whether it was created here)."""
     try:
@@ -350,12 +360,7 @@ def fetch(t, run: str, to: str, checkpoint: str = "latest", force: bool = False,
     if os.path.lexists(to) and not force and os.listdir(to):
         raise UsageError(f"{to} exists and is not empty; give --force to replace the checkpoint's "
                          "files in it")
-    made_in = os.path.dirname(to)  # a missing --to is made, with its missing parents, in this dir
-    while not os.path.lexists(made_in):
-        made_in = os.path.dirname(made_in)
-    if not os.path.isdir(made_in) or not os.access(made_in, os.W_OK):
-        raise UsageError(f"--to {to}: {made_in} is not a writable directory, so {to} cannot be made; "
-                         "give another --to")
+    check_can_make(to)
 
     payload = {"runs": ct.paths.runs, "run": run, "checkpoint": checkpoint, "names": names}
     try:

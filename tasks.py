@@ -23,7 +23,7 @@ def timeout_help(task: str) -> str:
 # --- host keys ------------------------------------------------------------------------------------
 @op_task(help={"host": "host name from the inventory",
                "fingerprint": "the SHA256:... fingerprint you verified out of band"})
-def trust_host(c, host, fingerprint=None, inventory=None):
+def trust_host(c, host, fingerprint=None, json=False, inventory=None):
     """Pin a host's SSH key deliberately (shows the offered key; pins it only if --fingerprint matches).
 
     dflash-ops never trusts a new or changed host key on its own. Get the key's fingerprint from
@@ -60,7 +60,7 @@ def disconnect(c, host=None, inventory=None):
                      "then removed; it is never started or stopped)",
                "stopped_ct": "a stopped container on the same host, for the stopped-container checks "
                              "(skipped without it; never started)"})
-def conformance(t, stopped_ct=None, ct=None, inventory=None):
+def conformance(t, stopped_ct=None, json=False, ct=None, inventory=None):
     """Check that the host's pct does what the tool relies on: one row per check, then a verdict.
 
     Runs commands in the running container --ct and in scratch dirs of its own there and on the host
@@ -114,8 +114,10 @@ def sandbox_status(c):
 # --- deploy, doctor, compile caches ---------------------------------------------------------------
 @op_task(fan_out=ROWS,
          help={"check": "import torch in the container again even if its requirements and GPUs "
-                        "did not change"})
-def deploy(t, ct=None, group=None, dry_run=False, inventory=None, check=False):
+                        "did not change",
+               "dry_run": "read the container's state (one read-only round trip) and print what a deploy "
+                          "would do, changing nothing (-v: the exact host lines)"})
+def deploy(t, ct=None, group=None, dry_run=False, inventory=None, check=False, json=False, verbose=False):
     """Ship remote_scripts/ into the container, refresh its venv if the requirements changed, check torch.
 
     Only files whose sha256 differs from the container's copy travel, as one tar over SFTP; the
@@ -127,10 +129,15 @@ def deploy(t, ct=None, group=None, dry_run=False, inventory=None, check=False):
     recorded in the venv and runs again only when the requirements or the GPU set changed, or with
     --check), and creates the tiny target model when the inventory asks for one. Nothing changed:
     one round trip, no torch import.
+
+    --dry-run reads the container's state in that one read-only round trip (no torch import, nothing
+    written) and prints the plan: the files that would be sent with their sizes, whether the venv
+    would be created, refreshed or kept and why, the torch check, the model, the steps in words; -v
+    adds each step's exact host line (packed helper code elided).
     """
     from dflash_ops import deploy as deploy_mod
 
-    return deploy_mod.deploy(t, check=check)
+    return deploy_mod.deploy(t, check=check, verbose=bool(verbose))
 
 
 
@@ -167,7 +174,7 @@ def exec_command(t, ct=None, inventory=None, dry_run=False, timeout=None):
 @op_task(fan_out=ROWS, help={"record": "record the sha256 of every file of paths.model_store (once the store "
                                         "is known good) instead of staging",
                              "timeout": timeout_help("stage")})
-def stage(t, record=False, ct=None, group=None, inventory=None, dry_run=False, timeout=None):
+def stage(t, record=False, json=False, ct=None, group=None, inventory=None, dry_run=False, timeout=None):
     """Put the target into paths.model (/dev/shm) from its persistent copy, verified by sha256.
 
     /dev/shm is emptied when the container restarts. This copies paths.model_store (the target's
@@ -234,7 +241,8 @@ def _train_nodes(targets, run=None, config=None, set=None, max_steps=None, rdzv_
     "rdzv_port": "multi-node (--group or several --ct): the rendezvous port on the first container's node"},
          fan_out=_train_nodes)
 def train(t, run=None, config=None, set=None, max_steps=None, ct=None, group=None, inventory=None,
-          dry_run=False, wait=900, no_wait=False, rdzv_port=29400, confirm_change=False, max_restarts=None):
+          dry_run=False, wait=900, no_wait=False, rdzv_port=29400, confirm_change=False, max_restarts=None,
+          json=False):
     """Start a detached training run in the container and wait for its first step; refused while another run is alive.
 
     First a preflight in the container (the config, the target, the data, the devices, free space,
@@ -276,9 +284,17 @@ def train(t, run=None, config=None, set=None, max_steps=None, ct=None, group=Non
     "n": "how many of the last lines to show",
     "follow": "keep printing new lines until the run ends (Ctrl-C stops following only)",
     "raw": "the log's bytes as written, escape sequences included (default: control characters "
-           "shown visibly, e.g. ESC as ^[)"})
-def logs(t, run=None, n=50, follow=False, raw=False, ct=None, group=None, inventory=None, dry_run=False):
+           "shown visibly, e.g. ESC as ^[)",
+    "grep": "only the lines this regular expression (Python's) matches, e.g. 'loss|ERROR' (followed "
+            "lines too)",
+    "since": "only the lines written since: 10m, 2h, 1d, or an ISO time (2026-01-01T12:00:00Z)"})
+def logs(t, run=None, n=50, follow=False, raw=False, grep=None, since=None, ct=None, group=None,
+         inventory=None, dry_run=False):
     """Show a run's log (the last -n lines), or follow it until the run ends.
+
+    --grep RE and --since 10m choose among the log's last 32 MiB in the container (within the call's
+    time; a line's time is its HH:MM:SS, or the time of the line before it), then -n keeps the last of
+    those; the output says when the log is longer than what was searched.
 
     Lines that match a known failure (the torch.compile FX-tracing race, CUDA out of memory, NCCL
     errors, disk full, a broken venv) are highlighted with the runbook to read. `--follow` uses
@@ -288,12 +304,11 @@ def logs(t, run=None, n=50, follow=False, raw=False, ct=None, group=None, invent
     from dflash_ops import logs as logs_mod
 
     # several containers: every line prefixed with its container
-    return logs_mod.show(t, run, n, follow, raw=bool(raw))
+    return logs_mod.show(t, run, n, follow, raw=bool(raw), grep=grep, since=since)
 
 
 @op_task(optional=["prometheus"], help={
     "run": "run name (default: the latest run)",
-    "json": "print the facts as JSON for scripts",
     "stall_after": "call a running run stalled after this many seconds without a new log line or metric",
     "watch": "keep the view on screen, refreshed in place every --interval seconds (Ctrl-C stops)",
     "interval": "seconds between refreshes with --watch",
@@ -304,7 +319,7 @@ def logs(t, run=None, n=50, follow=False, raw=False, ct=None, group=None, invent
     "prometheus": "Prometheus text format on stdout, or written atomically to this file "
                   "(textfile collector)"})
 def status(c, run=None, json=False, stall_after=600, ct=None, group=None, inventory=None, dry_run=False,
-           watch=False, interval=5, check=False, hang_after=1800, min_free="10G", min_free_shm="512M",
+           check=False, hang_after=1800, watch=False, interval=5, min_free="10G", min_free_shm="512M",
            prometheus=None):
     """Show a run's state, progress and the GPUs, in one round trip.
 
@@ -357,7 +372,7 @@ def watch_run(t, run=None, every=30, stall_after=600, hang_after=1800, notify_cm
 
 @op_task(fan_out=ROWS, help={"run": "run name (default: the latest run)",
                             "grace": "seconds to wait after SIGTERM (the run checkpoints) before SIGKILL"})
-def stop(t, run=None, grace=30, ct=None, group=None, inventory=None, dry_run=False):
+def stop(t, run=None, grace=30, json=False, ct=None, group=None, inventory=None, dry_run=False):
     """Stop a run: SIGTERM (it checkpoints), SIGKILL after --grace seconds, confirm nothing is left.
 
     Signals the run's whole process group, records "stopped" in the run directory, and checks that
@@ -368,8 +383,7 @@ def stop(t, run=None, grace=30, ct=None, group=None, inventory=None, dry_run=Fal
     return launch.stop(t, run, grace)
 
 
-@op_task(name="runs", help={"json": "print the container's answer as JSON for scripts",
-                             "stall_after": "call an alive run stalled after this many silent seconds",
+@op_task(name="runs", help={"stall_after": "call an alive run stalled after this many silent seconds",
                              "pin": "pin this run: `prune` never removes it or its checkpoints",
                              "unpin": "unpin this run (prune treats it as any other)",
                              "history": "this run's segments instead, like sacct: each launch, resume "
@@ -392,18 +406,18 @@ def list_runs(t, json=False, stall_after=600, pin=None, unpin=None, history=None
         if pin or unpin:
             raise UsageError("give --history alone, without --pin or --unpin")
         found = history_mod.segments(t, history, float(stall_after))
-        return None if found is None else history_mod.Segments(found, t.container.label, as_json=bool(json))
+        return None if found is None else history_mod.Segments(found, t.container.label)
     if pin or unpin:
         answer = history_mod.pin(t, pin or unpin, pinned=bool(pin))
     else:
         answer = history_mod.list_runs(t, float(stall_after))
-    return None if answer is None else history_mod.Listing(answer, t.container.label, as_json=bool(json))
+    return None if answer is None else history_mod.Listing(answer, t.container.label)
 
 
 @op_task(help={"keep": "keep this many of the newest runs (at least 1; the alive run is always kept)",
                "older_than": "remove only runs idle longer than this, e.g. 7d, 12h, 2w",
                "yes": "remove them (without it: only show what would go and the bytes it would free)"})
-def prune(t, keep=None, older_than=None, yes=False, ct=None, inventory=None, dry_run=False):
+def prune(t, keep=None, older_than=None, yes=False, json=False, ct=None, inventory=None, dry_run=False):
     """Remove old runs and surplus checkpoints; shows what and how much first, acts only with --yes.
 
     Keeps the --keep newest runs and never touches the alive run. Of the runs it keeps, it removes
@@ -420,7 +434,7 @@ def prune(t, keep=None, older_than=None, yes=False, ct=None, inventory=None, dry
 
 
 @op_task(fan_out=ROWS)
-def doctor(t, ct=None, group=None, dry_run=False, inventory=None):
+def doctor(t, json=False, ct=None, group=None, dry_run=False, inventory=None):
     """Check the container is ready to train: one line per check, the fix for each that fails.
 
     One round trip gathers everything: container running, GPUs seen by nvidia-smi against the
@@ -436,7 +450,7 @@ def doctor(t, ct=None, group=None, dry_run=False, inventory=None):
 
 @op_task(fan_out=ROWS,
          help={"force": "clean even while a run is alive (its compile caches disappear under it)"})
-def clean_cache(t, force=False, ct=None, group=None, dry_run=False, inventory=None):
+def clean_cache(t, force=False, json=False, ct=None, group=None, dry_run=False, inventory=None):
     """Remove the container's compile caches (inductor, triton, torch extensions) and say what was freed.
 
     The directories are the inventory's `paths.caches`. Refused while a run is alive (it holds
@@ -457,7 +471,7 @@ def clean_cache(t, force=False, ct=None, group=None, dry_run=False, inventory=No
     "device": "where the target and drafter run (default: the first target device)",
     "timeout": timeout_help("eval")})
 def eval_run(t, run, checkpoint="latest", prompts=None, num_prompts=None, max_new_tokens=None, device=None,
-             ct=None, inventory=None, dry_run=False, timeout=None):
+             json=False, ct=None, inventory=None, dry_run=False, timeout=None):
     """Measure a checkpoint with the official dflash inference code: lossless, acceptance, speedup.
 
     Runs eval_dflash.py in the container: the checkpoint is loaded with
@@ -479,7 +493,8 @@ def eval_run(t, run, checkpoint="latest", prompts=None, num_prompts=None, max_ne
     "config": "training config in the container (default: the container's train_config)",
     "set": "override a config value as training would, e.g. --set train.batch_size=2 (repeatable)",
     "timeout": timeout_help("plan")})
-def plan(t, write=None, config=None, set=None, ct=None, inventory=None, dry_run=False, timeout=None):
+def plan(t, write=None, config=None, set=None, json=False, ct=None, inventory=None, dry_run=False,
+         timeout=None):
     """Measure the target and a drafter step per GPU, then show which layout of the GPUs is fastest.
 
     Runs plan_layout.py in the container (about a minute, progress shown): the target's forward
@@ -507,7 +522,7 @@ def plan(t, write=None, config=None, set=None, ct=None, inventory=None, dry_run=
     "target": "target checkpoint directory in the container (default: paths.model)",
     "timeout": timeout_help("regenerate")})
 def regenerate(t, src=None, out_dir=None, max_new_tokens=None, limit=None, batch_size=None, device=None,
-               target=None, ct=None, inventory=None, dry_run=False, timeout=None):
+               target=None, json=False, ct=None, inventory=None, dry_run=False, timeout=None):
     """Rewrite a dataset's assistant turns with the target's own greedy answers, in the container.
 
     A drafter is scored on how often it guesses what the target says, so it should learn from what
@@ -523,19 +538,26 @@ def regenerate(t, src=None, out_dir=None, max_new_tokens=None, limit=None, batch
                                timeout=timeout)
 
 
-@op_task(help={"run": "run name (default: the latest run)",
-               "plot": "also write a PNG here: loss, acceptance length, per-slot accuracy, tokens/s",
+@op_task(help={"run": "run name (default: the latest run); several, comma-separated (a,b), are overlaid",
+               "plot": "also write a PNG here: loss, acceptance length, per-slot accuracy, tokens/s (several "
+                       "runs: one line per run)",
+               "tensorboard": "also write TensorBoard event files under this directory, one dir per run "
+                              "(`tensorboard --logdir DIR`)",
                "n": "how many of the last logged steps the table shows (0: all)"})
-def metrics(t, run=None, plot=None, n=20, ct=None, inventory=None, dry_run=False):
+def metrics(t, run=None, plot=None, tensorboard=None, n=20, json=False, ct=None, inventory=None,
+            dry_run=False):
     """Show a run's recent metrics as a table, and plot the whole run with --plot FILE.png.
 
-    Reads metrics.jsonl and evals.jsonl from the container in one round trip. The table: step, loss,
-    held-out loss, acceptance length, accuracy of slots 1-4, tokens/s, learning rate, memory. The plot
-    adds held-out points, the dflash evaluations (`invoke eval`) and the checkpoints.
+    Reads metrics.jsonl and evals.jsonl from the container in one round trip per run. The table: step,
+    loss, held-out loss, acceptance length, accuracy of slots 1-4, tokens/s, learning rate, memory. The
+    plot adds held-out points, the dflash evaluations (`invoke eval`) and the checkpoints; with
+    --run a,b it overlays the runs (loss, acceptance length, held-out loss, tokens/s; a legend names
+    them). --tensorboard DIR writes each run's scalars to DIR/<run>/ (train/*, heldout/*,
+    dflash_eval/*, by step), replacing that run's earlier export there.
     """
     from dflash_ops import metrics as metrics_mod
 
-    return metrics_mod.show(t, run, int(n), plot)
+    return metrics_mod.show(t, run, int(n), plot, tensorboard)
 
 
 @op_task(help={"run": "run name", "to": "local directory (DIR/config.json, DIR/model.safetensors)",
@@ -544,8 +566,8 @@ def metrics(t, run=None, plot=None, n=20, ct=None, inventory=None, dry_run=False
                "timeout": "seconds for each file's transfer (default: 300 plus the bytes moved at 5 MiB/s)",
                "max_size": "the largest checkpoint to accept, e.g. 20G or 512M (default: its expected size, "
                            "counted from its config.json, x1.5 + 64 MiB, at most 64 GiB)"})
-def fetch(t, run, to, checkpoint="latest", force=False, with_state=False, timeout=0.0, max_size=None, ct=None,
-          inventory=None, dry_run=False):
+def fetch(t, run, to, checkpoint="latest", force=False, with_state=False, timeout=0.0, max_size=None,
+          json=False, ct=None, inventory=None, dry_run=False):
     """Bring a checkpoint back from the container, verified by sha256 computed in the container.
 
     Each file streams from the container (`pct exec ... cat`, nothing written on the host) into a

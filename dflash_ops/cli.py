@@ -8,9 +8,11 @@ shared option to every task, refusing two different values.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import gc
 import inspect
+import json
 import os
 import sys
 
@@ -39,6 +41,8 @@ COMMON_HELP = {
     "dry_run": "print the exact host command lines and connect to nothing",
     "group": "an inventory group of containers",
     "run": "run name (default: the latest run); given once, it applies to every task of the invocation",
+    "json": "print the result as JSON for scripts (several containers: {container: result})",
+    "verbose": "with --dry-run: also the exact host lines (packed helper code elided)",
 }
 
 
@@ -83,6 +87,46 @@ def _usage_errors_exit_2() -> None:
 _usage_errors_exit_2()
 
 
+def _quiet_stdout() -> None:
+    """The reader of stdout left (`invoke --list | head -1`): later writes, and the flush at exit, go
+    to /dev/null instead of raising BrokenPipeError again."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def _stops_quietly(method):
+    """A Program step that writes or runs tasks (the help, --list, the tasks), made to end as every
+    task does: a closed pipe stops quietly (exit 141), Ctrl-C prints `interrupted` (exit 130), never a
+    traceback. The output is flushed inside it, so a closed pipe is seen here, not at the exit."""
+
+    @functools.wraps(method)
+    def quietly(self, *args, **kwargs):
+        try:
+            result = method(self, *args, **kwargs)
+            sys.stdout.flush()
+            return result
+        except BrokenPipeError:
+            _quiet_stdout()
+            raise Exit(code=ExitStatus.BROKEN_PIPE) from None
+        except KeyboardInterrupt:
+            raise Exit("interrupted", code=ExitStatus.INTERRUPTED) from None
+
+    quietly.stops_quietly = True
+    return quietly
+
+
+def _program_steps_stop_quietly() -> None:
+    """Invoke's Program prints the help and --list in parse_cleanup and runs the tasks in execute,
+    both after tasks.py is imported; they are wrapped once here (a reader that leaves or a Ctrl-C
+    earlier, while Python imports, is Python's own)."""
+    for name in ("parse_cleanup", "execute"):
+        method = getattr(invoke.Program, name)
+        if not getattr(method, "stops_quietly", False):
+            setattr(invoke.Program, name, _stops_quietly(method))
+
+
+_program_steps_stop_quietly()
+
+
 class Executor(invoke.Executor):
     def expand_calls(self, calls):
         calls = super().expand_calls(calls)
@@ -112,27 +156,61 @@ def targets(c, ct=None, group=None, inventory=None, dry_run=False) -> list[Targe
     return resolve(inventory_path(c, inventory), ct, group, dry_run)
 
 
-def show(result) -> None:
+def show(result, as_json: bool = False) -> None:
     """THE output of a task: print what it returned, then raise its `error` if it has one (doctor:
     the table first, then exit 1; a fan-out: the rows, then exit 8).
 
     `describe()` is text (shown visibly: results quote the container), a rich renderable or a list
-    of both; an `aside()` (a fan-out's table beside `status --json`'s JSON) goes to stderr first.
-    A result may carry `exit_with` (status --check: the monitoring-plugin code) instead of an error.
+    of both; an `aside()` (`status --check`'s lines) goes to stderr first. A result may carry
+    `exit_with` (status --check: the monitoring-plugin code) instead of an error.
+
+    `as_json` (a task's --json): `facts()` instead, as JSON on stdout, the same for every task (a
+    fan-out: {container: facts}, its table on stderr); the error and exit code are the same.
     """
     if result is None:
         return
     width = getattr(result, "pipe_width", 240)
     aside = getattr(result, "aside", None)
-    if aside is not None:
-        _print(aside(), stderr=True, width=width)
-    _print(result.describe(), width=width)
+    if as_json:
+        if isinstance(result, fanout.Rows):  # the rows for a person, the facts for the script
+            _print(result.describe(), stderr=True, width=width)
+        print(as_json_text(result.facts()), file=_JSON_OUT[0] if _JSON_OUT else sys.stdout)
+    else:
+        if aside is not None:
+            _print(aside(), stderr=True, width=width)
+        _print(result.describe(), width=width)
     error = getattr(result, "error", None)
     if error is not None:
         raise error
     code = getattr(result, "exit_with", 0)
     if code:
         raise Exit(code=code)
+
+
+_JSON_OUT: list = []  # with --json: the stdout the JSON goes to, while the task's progress goes to stderr
+
+
+@contextlib.contextmanager
+def working_output(as_json: bool):
+    """Where a task's progress goes while it works (pip's output, a log until the first step, an
+    evaluation's lines): stdout, or with --json stderr, so that stdout holds the JSON alone (`show`
+    prints it to the stdout of the outermost --json, however nested: `status` shows through
+    `on_targets`)."""
+    if not as_json:
+        yield
+        return
+    _JSON_OUT.append(sys.stdout)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        _JSON_OUT.pop()
+
+
+def as_json_text(facts) -> str:
+    """A result's facts as `--json` prints them: indented, ASCII only (a container's control
+    characters and escape sequences arrive as JSON escapes, never as terminal bytes)."""
+    return json.dumps(facts, indent=2, ensure_ascii=True, default=str)
 
 
 class Changed:
@@ -178,22 +256,29 @@ def on_targets(fn, fan_out):
         dry_run = bool(options.get("dry_run"))
         chosen = resolve(inventory_path(c, options.get("inventory")), options.get("ct"), options.get("group"),
                          dry_run)
+        as_json = bool(options.get("json"))
         if len(chosen) == 1 and not chosen[0].grouped:
-            result = fn(chosen[0], **options)
-            if not dry_run:
-                show(result)
+            with working_output(as_json):
+                result = fn(chosen[0], **options)
+            if not dry_run or getattr(result, "shown_in_dry_run", False):  # deploy's plan
+                show(result, as_json)
             return
         if fan_out is None:
             raise UsageError("this task works on one container; give a single --ct")
         if fan_out is not ROWS:
-            show(fan_out(chosen, **options))
+            with working_output(as_json):
+                result = fan_out(chosen, **options)
+            show(result, as_json)
             return
 
         def row(t):
             result = fn(t, **options)
-            return "dry run" if dry_run or result is None else result
+            shown = result is not None and (not dry_run or getattr(result, "shown_in_dry_run", False))
+            return result if shown else "dry run"
 
-        show(fanout.Rows(fn.__name__.replace("_", "-"), fanout.run(chosen, row)))
+        with working_output(as_json):
+            outcomes = fanout.run(chosen, row)
+        show(fanout.Rows(fn.__name__.replace("_", "-"), outcomes), as_json)
 
     return run
 
@@ -208,6 +293,8 @@ def status(c, run=None, json=False, stall_after=600, ct=None, group=None, invent
     def chosen():
         return targets(c, ct, group, inventory, dry_run)
 
+    if json and (check or prometheus is not None):
+        raise UsageError("--json is the view's; --check and --prometheus have their own formats: give one")
     if check:
         return alerting.plugin_check(chosen, run, stall_after, hang_after, min_free, min_free_shm)
     if prometheus is not None:
@@ -224,7 +311,10 @@ def shows(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        show(fn(*args, **kwargs))
+        as_json = bool(kwargs.get("json"))
+        with working_output(as_json):
+            result = fn(*args, **kwargs)
+        show(result, as_json)
 
     return wrapper
 
@@ -256,7 +346,7 @@ def reports_errors(fn):
             raise Exit("interrupted", code=ExitStatus.INTERRUPTED) from None
         except BrokenPipeError:
             # `invoke status | head -3`: the reader left; stop quietly, as other CLI tools do.
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            _quiet_stdout()
             raise Exit(code=ExitStatus.BROKEN_PIPE) from None
 
     return wrapper
@@ -303,9 +393,10 @@ def parse_numbers(fn):
 
 # Short flags. `-h` after a task name is Invoke's help (`invoke deploy -h`), so no option takes it;
 # an option of several tasks has the same letter in all of them (these, where Invoke's automatic
-# letters would differ); every other option gets Invoke's automatic letter.
-SHORT_FLAGS = {"ct": "c", "group": "g", "inventory": "i", "dry_run": "d", "run": "r", "device": "v",
-               "target": "t", "wait": "w", "timeout": "T"}
+# letters would differ), and no other option has that letter; every other option gets Invoke's
+# automatic letter.
+SHORT_FLAGS = {"ct": "c", "group": "g", "inventory": "i", "dry_run": "d", "run": "r", "verbose": "v",
+               "device": "e", "target": "t", "wait": "w", "timeout": "T"}
 HELP_FLAG = "h"
 # `-n` is a count everywhere (`logs -n 200`, `metrics -n 50`): only a parameter named n has it. And a
 # dash is never a short flag (Invoke would pick the `-` of `min-free-shm`: `--=STRING` in the help).
@@ -316,8 +407,10 @@ class OpTask(invoke.Task):
     """Invoke's Task with the short-flag rule above."""
 
     def arg_opts(self, name, default, taken_names):
-        fixed = {SHORT_FLAGS[p] for p in self.argspec(self.body).parameters if p in SHORT_FLAGS}
-        opts = super().arg_opts(name, default, set(taken_names) | fixed | {HELP_FLAG} | NEVER_AUTOMATIC)
+        # SHORT_FLAGS' letters are theirs in every task, even one without that option (`-t` is never
+        # `--to` in one task and `--target` in another)
+        reserved = set(SHORT_FLAGS.values())
+        opts = super().arg_opts(name, default, set(taken_names) | reserved | {HELP_FLAG} | NEVER_AUTOMATIC)
         if name in SHORT_FLAGS and self.auto_shortflags:
             opts["names"] = [opts["names"][0], SHORT_FLAGS[name]]
         return opts

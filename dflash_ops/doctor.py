@@ -280,6 +280,12 @@ class Checkup:
             table.add_row(mark, terminal.markup(c.name), terminal.markup(c.detail), terminal.markup(c.fix))
         return table
 
+    def facts(self) -> dict:
+        """--json: every check (name, ok, detail, fix) and whether all passed (exit 1 when not)."""
+        return {"container": self.container.label, "ok": all(c.ok for c in self.checks),
+                "checks": [{"name": c.name, "ok": c.ok, "detail": c.detail, "fix": c.fix}
+                           for c in self.checks]}
+
     def row(self) -> str:
         failed = [c for c in self.checks if not c.ok]
         if failed:

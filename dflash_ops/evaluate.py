@@ -125,6 +125,10 @@ class Evaluation:
     def describe(self) -> str:
         return describe(self.record)
 
+    def facts(self) -> dict:
+        """--json: eval_dflash.py's record, as written to eval.json (exit 10 when not lossless)."""
+        return self.record
+
     def row(self) -> str:
         return (f"acceptance {self.record['acceptance_length']:.2f}, speedup {self.record['speedup']:.2f}x, "
                 + ("lossless" if self.error is None else "NOT LOSSLESS"))
@@ -169,6 +173,9 @@ class Regenerated:
 
     def describe(self) -> str:
         return "\n".join(describe_regeneration(stats) for stats in self.files)
+
+    def facts(self) -> dict:
+        return {"files": self.files}
 
     def row(self) -> str:
         return ", ".join(f"{stats['out']}: {stats['rows']} rows" for stats in self.files)

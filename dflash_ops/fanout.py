@@ -123,6 +123,15 @@ class Rows:
                           terminal.markup(o.detail))
         return table
 
+    def facts(self) -> dict:
+        """`--json` over several containers: {container: its result's facts, or {"error": its line}}."""
+        def one(o: Outcome):
+            if not o.ok:
+                return {"error": o.detail}
+            facts = getattr(o.result, "facts", None)
+            return facts() if facts is not None else {"row": o.row}
+        return {o.label: one(o) for o in sorted(self.outcomes, key=lambda o: o.label)}
+
     @property
     def error(self) -> FanOutFailed | None:
         failed = [o.label for o in self.outcomes if not o.ok]

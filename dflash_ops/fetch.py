@@ -94,6 +94,11 @@ class Fetched:
         return (f"{self.to}: {len(self.files)} files from {terminal.visible(self.checkpoint)}, "
                 f"{self.total_bytes / 2**20:.1f} MiB, sha256 verified")
 
+    def facts(self) -> dict:
+        """--json: where the checkpoint went and each file's size and sha256 (verified)."""
+        return {"run": self.run, "checkpoint": self.checkpoint, "to": self.to, "bytes": self.total_bytes,
+                "files": [{"name": f.name, "size": f.size, "sha256": f.sha256} for f in self.files]}
+
     def row(self) -> str:
         return self.describe()
 
@@ -208,6 +213,16 @@ def raise_refusal(refusal: ship.Refusal) -> None:
 
 
 # --- the local side --------------------------------------------------------------------------------
+def check_can_make(to: str) -> None:
+    """A missing --to is made, with its missing parents, in its nearest existing ancestor: that must be
+    a writable directory (`/dev/null/x` is one line before any round trip, not a traceback after)."""
+    made_in = os.path.dirname(to)
+    while not os.path.lexists(made_in):
+        made_in = os.path.dirname(made_in)
+    if not os.path.isdir(made_in) or not os.access(made_in, os.W_OK):
+        raise UsageError(f"--to {to}: {made_in} is not a writable directory, so {to} cannot be made; "
+                         "give another --to")
+
 def open_destination(to: str, force: bool) -> tuple[int, bool]:
     """(an fd of the checked directory `to`, whether it was created here)."""
     try:
@@ -345,6 +360,7 @@ def fetch(t, run: str, to: str, checkpoint: str = "latest", force: bool = False,
     if os.path.lexists(to) and not force and os.listdir(to):
         raise UsageError(f"{to} exists and is not empty; give --force to replace the checkpoint's "
                          "files in it")
+    check_can_make(to)
 
     payload = {"runs": ct.paths.runs, "run": run, "checkpoint": checkpoint, "names": names}
     try:

@@ -9,11 +9,10 @@ through terminal.markup (the rich table) or terminal.visible (plain lines).
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from . import terminal
 from .errors import RunStateError, UsageError
@@ -29,13 +28,13 @@ AGE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
-def parse_age(text: str | None) -> int | None:
+def parse_age(text: str | None, flag: str = "--older-than") -> int | None:
     """`7d`, `12h`, `30m`, `2w`, `90s` -> seconds; None stays None."""
     if text is None:
         return None
     m = AGE.match(str(text))
     if not m:
-        raise UsageError(f"--older-than {str(text)[:40]!r}: expected an age such as 7d, 12h, 30m or 2w")
+        raise UsageError(f"{flag} {str(text)[:40]!r}: expected an age such as 7d, 12h, 30m or 2w")
     return int(float(m.group(1)) * UNITS[m.group(2)])
 
 
@@ -223,15 +222,17 @@ def describe_prune(answer: dict, label: str, acted: bool) -> str:
 
 @dataclass
 class Listing:
-    """`invoke runs`: the table (a pipe gets 120 columns, rows on one line), or the answer as JSON."""
+    """`invoke runs`: the table (a pipe gets 120 columns, rows on one line); --json: the answer."""
 
     answer: dict
     label: str
-    as_json: bool = False
     pipe_width = 120
 
     def describe(self):
-        return json.dumps(self.answer, indent=2) if self.as_json else table(self.answer, self.label)
+        return table(self.answer, self.label)
+
+    def facts(self) -> dict:
+        return self.answer
 
     def row(self) -> str:
         return f"{len(self.answer['runs'])} runs"
@@ -247,6 +248,10 @@ class Pruned:
 
     def describe(self) -> str:
         return describe_prune(self.answer, self.label, self.acted)
+
+    def facts(self) -> dict:
+        """--json: the container's answer (plan: what, path, bytes, why; removed) and whether it acted."""
+        return {"container": self.label, "acted": self.acted, **self.answer}
 
     def row(self) -> str:
         return self.describe().splitlines()[0]
@@ -348,16 +353,16 @@ def describe_segments(answer: dict, label: str) -> str:
 
 @dataclass
 class Segments:
-    """`invoke runs --history NAME`: the segments as text (or the answer as JSON)."""
+    """`invoke runs --history NAME`: the segments as text (--json: the answer, cli.show)."""
 
     answer: dict
     label: str
-    as_json: bool = False
 
     def describe(self) -> str:
-        if self.as_json:
-            return json.dumps(self.answer, indent=2)
         return describe_segments(self.answer, self.label)
+
+    def facts(self) -> dict:
+        return self.answer
 
     def row(self) -> str:
         return (f"run {visible(self.answer['run'])}: {len(self.answer['segments'])} segment(s), "
@@ -413,6 +418,9 @@ class Cleaned:
         lines = [f"{f.name:<17} {readings.human_bytes(f.bytes):>10}  {f.files:>6} files  {f.path}"
                  + ("" if f.existed else "  (was empty)") for f in self.freed]
         return "\n".join([*lines, self.row()])
+
+    def facts(self) -> dict:
+        return {"freed": [asdict(f) for f in self.freed], "bytes": sum(f.bytes for f in self.freed)}
 
     def row(self) -> str:
         total = sum(f.bytes for f in self.freed)

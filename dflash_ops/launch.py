@@ -106,6 +106,11 @@ class Launch:
         return (f"{said}\nlog: {self.log} (in the container)\n"
                 f"follow it: invoke logs --follow --run {self.run} --ct {self.ctid}")
 
+    def facts(self) -> dict:
+        return {"run": self.run, "container": self.where, "run_dir": self.run_dir, "pid": self.pid,
+                "pgid": self.pgid, "code_version": self.code_version, "log": self.log,
+                "wait": self.verdict}
+
     def row(self) -> str:
         return f"run {self.run}: pid {self.pid}, code {self.code_version}"
 
@@ -328,6 +333,10 @@ class Stop:
 
     def describe(self) -> str:
         return self._says(f"run {self.run} on {self.where}")
+
+    def facts(self) -> dict:
+        return {"run": self.run, "container": self.where, "outcome": self.outcome,
+                "exit_code": self.exit_code or None, "grace": self.grace}
 
     def row(self) -> str:
         return self._says(f"run {self.run}")
@@ -595,6 +604,9 @@ class GroupLaunch:
     def describe(self) -> list:
         stopped = [f"stopped the {self.stopped} node(s) that started, so none waits for the others"]
         return [self.rows.describe(), *(stopped if self.stopped else [])]
+
+    def facts(self) -> dict:
+        return {"nodes": self.rows.facts(), "stopped": self.stopped}
 
     @property
     def error(self):

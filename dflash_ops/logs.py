@@ -16,14 +16,17 @@ the result keeps only the stream's tail (mux.OutputTail).
 
 from __future__ import annotations
 
+import datetime as _dt
 import json
+import re
 import sys
 import threading
 
-from . import runs, terminal
+from . import history, runs, terminal
 from .errors import HostUnreachable, UsageError
 from .remote import ship
 from .remote.prelude import LINE_CAP
+from .remote.readings import human_bytes
 
 MARK = "==> dflash-ops:"
 DEFAULT_LINES = 50
@@ -33,8 +36,48 @@ END_GRACE_S = 15
 TAIL_TIMEOUT_S = 30.0
 
 
-def follow_payload(runs: str, run: str | None, lines: int) -> dict:
-    return {"runs": runs, "name": run, "lines": int(lines), "grace": END_GRACE_S}
+def follow_payload(runs: str, run: str | None, lines: int, chosen: dict | None = None) -> dict:
+    return {"runs": runs, "name": run, "lines": int(lines), "grace": END_GRACE_S, **(chosen or {})}
+
+
+GREP_CAP = 1000  # characters of a --grep pattern
+SINCE_HELP = "an age such as 10m, 2h or 1d, or an ISO time such as 2026-01-01T12:00:00Z (no zone: local time)"
+
+
+def check_grep(pattern: str | None) -> str | None:
+    """--grep is a Python regular expression (the container's Python searches each line with it):
+    compiled here first, so a bad one is one line before anything is sent."""
+    if pattern is None:
+        return None
+    pattern = str(pattern)
+    if len(pattern) > GREP_CAP:
+        raise UsageError(f"--grep: {len(pattern)} characters; at most {GREP_CAP}")
+    try:
+        re.compile(pattern)
+    except (re.error, RecursionError, OverflowError) as exc:
+        shown = terminal.visible(pattern)[:80]
+        raise UsageError(f"--grep {shown!r}: not a regular expression: {exc}") from None
+    return pattern
+
+
+def parse_since(text: str | None) -> dict | None:
+    """--since: {"ago": seconds} (10m, 2h: counted on the container's clock) or {"at": epoch s}."""
+    if text is None:
+        return None
+    text = str(text).strip()
+    if history.AGE.match(text):
+        return {"ago": history.parse_age(text, "--since")}
+    try:
+        when = _dt.datetime.fromisoformat(text[:-1] + "+00:00" if text.endswith(("Z", "z")) else text)
+    except ValueError:
+        raise UsageError(f"--since {terminal.visible(text)[:40]!r}: expected {SINCE_HELP}") from None
+    return {"at": when.timestamp()}
+
+
+def filters(grep: str | None, since: str | None) -> dict:
+    """The payload's --grep and --since (checked here: a bad one is one line, exit 2)."""
+    chosen = {"grep": check_grep(grep), "since": parse_since(since)}
+    return {k: v for k, v in chosen.items() if v is not None}
 
 
 class LogPrinter(terminal.LineSink):
@@ -53,6 +96,9 @@ class LogPrinter(terminal.LineSink):
 
     def _print(self, text: str) -> None:
         print(text, file=self.out or sys.stdout, flush=True)
+
+    def note(self, text: str) -> None:
+        self._print(f"{MARK} {text}")
 
     def started(self, run: str) -> None:
         self.run = terminal.visible(run)[:200]
@@ -116,22 +162,26 @@ class LabelledLines(terminal.LineSink):
 
 
 def show(t, run: str | None = None, lines: int = DEFAULT_LINES, follow: bool = False, out=None,
-         raw: bool = False) -> LogPrinter:
+         raw: bool = False, grep: str | None = None, since: str | None = None) -> LogPrinter:
     """Print the last `lines` of the run's log; with `follow`, keep printing until the run ends.
 
-    `raw`: the log's bytes as the container wrote them, escape sequences included (asked for)."""
+    `grep`: only the lines this regular expression matches; `since`: only those written since then
+    (both for the last lines; `grep` for the followed ones too). `raw`: the log's bytes as the
+    container wrote them, escape sequences included (asked for)."""
     ct = t.container
     name = runs.validate_run_name(run) if run is not None else None
     if int(lines) < 0:
         raise UsageError(f"-n {lines}: must be >= 0")
+    chosen = filters(grep, since)
     if out is None and t.grouped:  # one of several containers: label every line
         out = LabelledLines(ct.label)
     printer = LogPrinter(out=out, raw=raw)
     if not follow:
-        return _last_lines(t, name, int(lines), printer)
+        return _last_lines(t, name, int(lines), printer, chosen)
     # A pty: Ctrl-C and hang-ups must reach the verb. Of the stream only its tail is kept (mux.OutputTail).
     stream = follow_stream(printer)
-    result = t.session.run_in(ct, ship.line(ct, "runs", "follow", follow_payload(ct.paths.runs, name, lines)),
+    result = t.session.run_in(ct, ship.line(ct, "runs", "follow", follow_payload(ct.paths.runs, name, lines,
+                                                                                 chosen)),
                               check=False, pty=True, out_stream=stream)
     stream.close()
     if t.dry_run:
@@ -141,7 +191,7 @@ def show(t, run: str | None = None, lines: int = DEFAULT_LINES, follow: bool = F
         try:
             ship.answer(json.dumps(answer), f"{ct.label}: logs")
         except ship.Refusal as refusal:
-            ship.raise_common(refusal)
+            refused(refusal, chosen)
     if answer is None or not isinstance(answer.get("ok"), dict):
         if result.exited == EXIT_INTERRUPTED:
             printer.interrupted = True
@@ -153,14 +203,23 @@ def show(t, run: str | None = None, lines: int = DEFAULT_LINES, follow: bool = F
     return printer
 
 
-def _last_lines(t, name: str | None, lines: int, printer: LogPrinter) -> LogPrinter:
-    """One round trip: the log's last `lines` lines, read from its end in the container."""
+def refused(refusal: ship.Refusal, chosen: dict) -> None:
+    """The logs verbs' refusals: (--grep) a pattern the container's Python refused or that took too
+    long is the operator's input, exit 2; the others as every task's (an unknown run: its one line)."""
+    if "grep" in chosen and refusal.kind in ("bad-input", "timeout"):
+        raise UsageError(str(refusal)) from None
+    ship.raise_common(refusal)
+
+
+def _last_lines(t, name: str | None, lines: int, printer: LogPrinter, chosen: dict) -> LogPrinter:
+    """One round trip: the log's last `lines` lines (those --grep and --since choose), read from its
+    end in the container."""
     ct = t.container
-    payload = {"runs": ct.paths.runs, "name": name, "lines": lines}
+    payload = {"runs": ct.paths.runs, "name": name, "lines": lines, **chosen}
     try:
         answer = ship.call(t, "runs", "logs-tail", payload, timeout=TAIL_TIMEOUT_S, what="logs")
     except ship.Refusal as refusal:
-        ship.raise_common(refusal)
+        refused(refusal, chosen)
     if t.dry_run:
         return printer
     got = answer.get("lines") if isinstance(answer, dict) else None
@@ -170,4 +229,8 @@ def _last_lines(t, name: str | None, lines: int, printer: LogPrinter) -> LogPrin
     printer.started(run)  # .current's text: the printer shows it visibly
     for line in got:
         printer.line(line[:LINE_CAP] if isinstance(line, str) else "")
+    searched, size = answer.get("searched"), answer.get("size")
+    if chosen and all(isinstance(v, int) and not isinstance(v, bool) for v in (searched, size)) \
+            and searched < size:
+        printer.note(f"searched the log's last {human_bytes(searched)} of {human_bytes(size)}")
     return printer

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import runs, terminal
-from .errors import UsageError
+from .errors import RunStateError, UntrustedData, UsageError
 from .remote import ship
 from .status import fmt
 
@@ -191,32 +191,65 @@ def eval_summary(metrics: RunMetrics) -> str | None:
 
 @dataclass
 class Shown:
-    """`invoke metrics`: the table, the last dflash evaluation's line, and where the plot went."""
+    """`invoke metrics`: a table per run, the last dflash evaluation's line, where the plot and the
+    TensorBoard files went."""
 
-    metrics: RunMetrics
+    runs: list  # of RunMetrics, in the order --run names them
     n: int = 20
     plotted: str | None = None
+    exported: list = field(default_factory=list)  # the TensorBoard run directories written
     pipe_width = None  # on a pipe: $COLUMNS or 80 columns, as rich chooses
 
     def describe(self) -> list:
-        """The table (rich), then text lines (printed as they are: never wrapped at the width)."""
-        summary = eval_summary(self.metrics)
-        return [table(self.metrics, self.n), *([summary] if summary else []),
-                *([f"plot: {self.plotted}"] if self.plotted else [])]
+        """The tables (rich), then text lines (printed as they are: never wrapped at the width)."""
+        out = []
+        for m in self.runs:
+            summary = eval_summary(m)
+            out += [table(m, self.n), *([summary] if summary else [])]
+        return [*out, *([f"plot: {self.plotted}"] if self.plotted else []),
+                *[f"tensorboard: {d}" for d in self.exported]]
+
+    def facts(self) -> dict:
+        """--json: per run the records the table shows (the last -n train steps; 0: all), every
+        held-out evaluation, checkpoint and dflash evaluation; where the plot and event files went."""
+        def one(m: RunMetrics) -> dict:
+            shown = m.train[-self.n:] if self.n > 0 else m.train
+            return {"run": m.run, "steps": len(m.train), "train": shown,
+                    "eval": m.eval, "checkpoints": m.checkpoints, "dflash_evals": m.dflash_evals,
+                    "skipped_lines": m.skipped, "bytes_left_out": m.left_out}
+        return {"runs": [one(m) for m in self.runs], "plot": self.plotted, "tensorboard": self.exported}
 
     def row(self) -> str:
-        return f"run {self.metrics.run}: {len(self.metrics.train)} logged steps"
+        return "; ".join(f"run {m.run}: {len(m.train)} logged steps" for m in self.runs)
 
 
-def show(t, run: str | None = None, n: int = 20, plot_to: str | None = None) -> Shown | None:
-    """Read the run's metrics (one round trip); with `plot_to`, write the plot there too (the path is
-    checked first: a bad one is one line before any round trip)."""
+MAX_RUNS = 8  # runs in one overlay
+
+
+def run_names(run: str | None) -> list:
+    """--run a,b -> the names, checked (at most MAX_RUNS, no repeats); None: the latest run."""
+    if run is None:
+        return [None]
+    names = [name.strip() for name in str(run).split(",")]
+    if len(names) > MAX_RUNS or len(set(names)) != len(names):
+        raise UsageError(f"--run {str(run)[:80]!r}: at most {MAX_RUNS} different runs, comma-separated")
+    return [runs.validate_run_name(name) for name in names]
+
+
+def show(t, run: str | None = None, n: int = 20, plot_to: str | None = None,
+         tensorboard_to: str | None = None) -> Shown | None:
+    """Read each run's metrics (`--run a,b`: one round trip per run); with `plot_to`, write the plot
+    there (several runs: overlaid), with `tensorboard_to`, TensorBoard event files. The paths are
+    checked first: a bad one is one line before any round trip."""
     if plot_to:
         check_plot_path(plot_to)
-    m = fetch(t, run)
-    if m is None:
+    if tensorboard_to:
+        check_tensorboard_dir(tensorboard_to)
+    got = [fetch(t, name) for name in run_names(run)]
+    if t.dry_run:
         return None
-    return Shown(m, int(n), plot(m, plot_to) if plot_to else None)
+    return Shown(got, int(n), plot(got, plot_to) if plot_to else None,
+                 export_tensorboard(got, tensorboard_to) if tensorboard_to else [])
 
 
 # --- the plot -------------------------------------------------------------------------------------
@@ -337,15 +370,27 @@ def _plot_speed(ax, train) -> None:
         ax.legend(handles=handles, loc="lower left", fontsize=9, framealpha=0.8)
 
 
-def plot(metrics: RunMetrics, path: str) -> str:
-    """Loss, acceptance length, per-slot accuracy and throughput against step, in one PNG."""
+def plot(metrics: RunMetrics | list, path: str) -> str:
+    """One run: loss, acceptance length, per-slot accuracy and throughput against step, in one PNG;
+    several (a list): `overlay_figure`."""
+    several = list(metrics) if isinstance(metrics, list) else [metrics]
+    empty = [m.run for m in several if not m.train and not m.eval]
+    if empty:
+        raise RunStateError(f"run {', '.join(empty)} has no metrics yet: nothing to plot")
+    fig = figure(several[0]) if len(several) == 1 else overlay_figure(several)
+    return _save(fig, path)
+
+
+def _pyplot():
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return plt
 
-    if not metrics.train and not metrics.eval:
-        from .errors import RunStateError
-        raise RunStateError(f"run {metrics.run} has no metrics yet: nothing to plot")
+
+def figure(metrics: RunMetrics):
+    """One run's four panels (plot)."""
+    plt = _pyplot()
     train, held = metrics.train, metrics.eval
     fig, axes = plt.subplots(2, 2, figsize=(13, 8.5), dpi=110, constrained_layout=True)
     (ax_loss, ax_tau), (ax_slot, ax_speed) = axes
@@ -372,6 +417,40 @@ def plot(metrics: RunMetrics, path: str) -> str:
         headline += (f"; dflash eval τ {fmt(evals[-1].get('acceptance_length'), '.2f')} at step "
                      f"{fmt(evals[-1].get('step'), 'd')}")
     fig.suptitle(headline + ("   (grey lines: checkpoints)" if saved else ""), fontsize=13)
+    return fig
+
+
+def overlay_figure(several: list):
+    """Several runs in one figure, one colour per run, a legend naming them: loss, acceptance length
+    (teacher-forced lines, dflash evaluations as stars), held-out loss and throughput against step."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5), dpi=110, constrained_layout=True)
+    (ax_loss, ax_tau), (ax_held, ax_speed) = axes
+    for i, m in enumerate(several):
+        colour = f"C{i % 10}"
+        _curve(ax_loss, m.train, "loss", colour, m.run)
+        _curve(ax_tau, m.train, "acceptance_length", colour, m.run)
+        steps, values = _series([r for r in m.dflash_evals if r.get("step") is not None], "acceptance_length")
+        if steps:
+            ax_tau.scatter(steps, values, marker="*", s=200, color=colour, edgecolor="black", linewidth=0.6,
+                           zorder=5)
+        _points(ax_held, m.eval, "loss", colour, m.run)
+        _curve(ax_speed, m.train, "tokens_per_s", colour, m.run)
+    ax_loss.set_yscale("log")
+    titles = ((ax_loss, "Loss (train)"), (ax_tau, "Acceptance length τ: teacher-forced, dflash eval ★"),
+              (ax_held, "Held-out loss"), (ax_speed, "Throughput (target tokens/s)"))
+    for ax, title in titles:
+        ax.set_title(title, loc="left", fontweight="bold")
+        ax.set_xlabel("step")
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="best", fontsize=9, framealpha=0.8)
+    fig.suptitle(f"{len(several)} runs: {', '.join(m.run for m in several)}", fontsize=13)
+    return fig
+
+
+def _save(fig, path: str) -> str:
+    plt = _pyplot()
     try:
         fig.savefig(path)
     except OSError as exc:  # the directory went away or filled up since the check
@@ -379,3 +458,74 @@ def plot(metrics: RunMetrics, path: str) -> str:
     finally:
         plt.close(fig)
     return path
+
+
+# --- TensorBoard ----------------------------------------------------------------------------------
+# tensorboardX writes the event files (the TensorBoard format, without TensorFlow or the tensorboard
+# server): DIR/<run>/events.out.tfevents.*.dflash-ops, one per run, replaced by the next export.
+
+TB_SUFFIX = ".dflash-ops"
+TB_SCALARS = (("train", "train", ("loss", "acceptance_length", "tokens_per_s", "lr", "memory_gib")),
+              ("eval", "heldout", ("loss", "acceptance_length")),
+              ("dflash_evals", "dflash_eval", ("acceptance_length", "tokens_per_target_forward", "speedup")))
+
+
+def check_tensorboard_dir(path: str) -> None:
+    """--tensorboard names a local directory, existing or to be made in an existing writable one."""
+    target = Path(path).expanduser()
+    if target.exists() and not target.is_dir():
+        raise UsageError(f"--tensorboard {path!r} is not a directory: give a directory for the event files")
+    parent = target if target.is_dir() else target.parent
+    if not parent.is_dir():
+        raise UsageError(f"--tensorboard {path!r}: the directory {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise UsageError(f"--tensorboard {path!r}: the directory {parent} is not writable")
+
+
+def tensorboard_scalars(m: RunMetrics) -> list[tuple[str, int, float, float | None]]:
+    """A run's records as (tag, step, value, wall time or None), e.g. ("train/loss", 10, 2.5, ...);
+    per-slot accuracy as train/slot_accuracy/1.. (pure)."""
+    out = []
+    for section, prefix, keys in TB_SCALARS:
+        for r in getattr(m, section):
+            step, wall = r.get("step"), r.get("time")
+            if not isinstance(step, int) or isinstance(step, bool):
+                continue
+            wall = wall if _number(wall) else None
+            out += [(f"{prefix}/{key}", step, float(r[key]), wall) for key in keys if _number(r.get(key))]
+            if section == "train" and isinstance(r.get("slot_accuracy"), list):
+                out += [(f"train/slot_accuracy/{k}", step, float(v), wall)
+                        for k, v in enumerate(r["slot_accuracy"], 1) if _number(v)]
+    return out
+
+
+def export_tensorboard(several: list, path: str) -> list[str]:
+    """Write each run's scalars to DIR/<run>/ (its earlier export there replaced); the dirs written."""
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        raise UsageError("--tensorboard needs the tensorboardX package: pip install tensorboardX "
+                         "(scripts/bootstrap installs it)") from None
+    written = []
+    for m in several:
+        try:
+            name = runs.validate_run_name(m.run)  # the latest run's name comes from the container
+        except UsageError:
+            raise UntrustedData(f"metrics: the run's name {terminal.visible(m.run)[:80]!r} is not a run "
+                                "name: not used as a directory") from None
+        folder = Path(path).expanduser() / name
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            for old in folder.glob(f"events.out.tfevents.*{TB_SUFFIX}"):
+                old.unlink()
+            writer = SummaryWriter(logdir=str(folder), filename_suffix=TB_SUFFIX)
+            try:
+                for tag, step, value, wall in tensorboard_scalars(m):
+                    writer.add_scalar(tag, value, step, walltime=wall)
+            finally:
+                writer.close()
+        except OSError as exc:
+            raise UsageError(f"--tensorboard {path!r}: cannot write {folder}: {exc.strerror or exc}") \
+                from None
+        written.append(str(folder))
+    return written

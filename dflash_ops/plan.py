@@ -228,6 +228,12 @@ class Planned:
             return f"{self.text}\nwrote {self.written}: merge it into your inventory and training config"
         return self.text
 
+    def facts(self) -> dict:
+        b = self.best
+        return {"measured": self.record, "written": self.written,
+                "best": {"roles": b.roles(), "placement": b.placement, "expected_tokens_per_s": b.expected,
+                         "bound": b.bound}}
+
     def row(self) -> str:
         b = self.best
         return f"best {b.target}+{b.drafters} {b.placement}, {b.expected:,.0f} tok/s"

@@ -81,8 +81,9 @@ class RunStatus:
     spec: dict | None = None        # the run's spec (launch.json): config, sets, max_steps, devices, code
     segment: dict | None = None     # the current segment (segments.jsonl): n, kind, start, log_offset, ...
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=False)
+    def facts(self) -> dict:
+        """`status --json` (cli.show prints it)."""
+        return asdict(self)
 
     def row(self) -> str:
         """The compact status in a fan-out: run, state, step, loss, acceptance length (tau)."""
@@ -378,48 +379,29 @@ STATE_STYLE = {"running": "green", "finished": "bold green", "stalled": "bold ye
 
 @dataclass
 class View:
-    """One container's status as `invoke status` shows it: the tables, or the facts as JSON."""
+    """One container's status as `invoke status` shows it: the tables (--json: its facts, cli.show)."""
 
     st: RunStatus
     label: str
-    as_json: bool = False
     pipe_width = None  # on a pipe: $COLUMNS or 80 columns, as rich chooses
 
     def describe(self):
-        return self.st.to_json() if self.as_json else view(self.st, self.label)
+        return view(self.st, self.label)
+
+    def facts(self) -> dict:
+        return self.st.facts()
 
     def row(self) -> str:
         return self.st.row()
 
 
-@dataclass
-class Collected:
-    """`status --group --json`: the rows' facts as one JSON object {container: facts} on stdout,
-    the table beside it on stderr."""
-
-    rows: fanout.Rows
-    pipe_width = None
-
-    def aside(self):
-        return self.rows.describe()
-
-    def describe(self) -> str:
-        found = {o.label: asdict(o.result) for o in self.rows.outcomes if isinstance(o.result, RunStatus)}
-        return json.dumps(dict(sorted(found.items())), indent=2)
-
-    @property
-    def error(self):
-        return self.rows.error
-
-
-def fan_out(targets: list, run: str | None, stall_after: float, as_json: bool) -> fanout.Rows | Collected:
-    """`status --group`: one compact row per container (with --json: `Collected`)."""
+def fan_out(targets: list, run: str | None, stall_after: float) -> fanout.Rows:
+    """`status --group`: one compact row per container (--json: {container: facts}, cli.show)."""
     def one(t):
         st = gather(t, run, stall_after)
         return "dry run" if st is None else st
 
-    rows = fanout.Rows("status", fanout.run(targets, one))
-    return Collected(rows) if as_json else rows
+    return fanout.Rows("status", fanout.run(targets, one))
 
 
 def _fmt_duration(seconds) -> str:

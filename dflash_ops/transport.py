@@ -632,6 +632,10 @@ class KeyCheck:
                          "on the host")
         return "\n".join(lines)
 
+    def facts(self) -> dict:
+        return {"host": self.host.name, "key": self.key_name, "offered": self.offered, "was": self.was,
+                "pinned_in": self.pinned_in, "pinned_before": list(self.pinned_before)}
+
     def row(self) -> str:
         return self.describe().splitlines()[-1]
 

@@ -60,6 +60,11 @@ class Staged:
         return (f"staged {ct.paths.model_store} -> {ct.paths.model} on {ct.label}: {size} in "
                 f"{self.seconds:.1f} s ({rate:.0f} MiB/s), every file matches {manifest_path(ct)}")
 
+    def facts(self) -> dict:
+        ct = self.container
+        return {"container": ct.label, "what": self.what, "store": ct.paths.model_store,
+                "model": ct.paths.model, "bytes": self.bytes, "seconds": round(self.seconds, 3)}
+
     def row(self) -> str:
         return self.describe()
 

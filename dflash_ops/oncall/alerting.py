@@ -158,9 +158,9 @@ def status_one(t, run=None, json=False, stall_after=600, dry_run=False, watch=Fa
         live.watch(t, run, float(stall_after), float(interval))
         return None
     st = status_mod.gather(t, run, float(stall_after))
-    return None if st is None else status_mod.View(st, t.container.label, as_json=bool(json))
+    return None if st is None else status_mod.View(st, t.container.label)
 
 
 def status_rows(targets, run=None, json=False, stall_after=600, **_):
-    """Several containers: one compact row each; --json: {container: facts} on stdout."""
-    return status_mod.fan_out(targets, run, stall_after, json)
+    """Several containers: one compact row each; --json: {container: facts} on stdout (cli.show)."""
+    return status_mod.fan_out(targets, run, stall_after)

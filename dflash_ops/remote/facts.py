@@ -113,7 +113,8 @@ def run_torch_check(python, env, record, key):
 
 def venv_fact(venv, env, torch_check="always"):
     """The venv's interpreter, requirements stamp and torch check. torch_check "recorded": reuse the
-    last passing check while the requirements stamp and the GPU set are the same (no torch import)."""
+    last passing check while the requirements stamp and the GPU set are the same (no torch import);
+    "never" (deploy --dry-run): that record or None, never an import, nothing written."""
     python = os.path.join(venv, "bin", "python")
     fact = {"python": os.path.exists(python), "requirements": None, "torch": None}
     stamp = read_text(os.path.join(venv, REQUIREMENTS_STAMP), 200)
@@ -121,11 +122,11 @@ def venv_fact(venv, env, torch_check="always"):
     if fact["python"]:
         key = {"requirements": fact["requirements"], "gpus": gpu_set(env)}
         record = os.path.join(venv, TORCH_RECORD)
-        recorded = read_json(record) if torch_check == "recorded" else None
+        recorded = read_json(record) if torch_check in ("recorded", "never") else None
         if (isinstance(recorded, dict) and recorded.get("key") == key
                 and isinstance(recorded.get("torch"), dict)):
             fact["torch"] = dict(recorded["torch"], recorded=True)
-        else:
+        elif torch_check != "never":
             fact["torch"] = run_torch_check(python, env, record, key)
     return fact
 

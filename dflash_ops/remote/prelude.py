@@ -187,7 +187,12 @@ def tail_lines(path, count, window=TAIL_WINDOW, cap=LINE_CAP, since=0):
     lines = end_lines(data, start)
     if lines and lines[-1] == b"":
         lines.pop()
-    return [line[:cap * 4].decode("utf-8", "replace")[:cap] for line in lines[-count:]]
+    return [decoded(line, cap) for line in lines[-count:]]
+
+
+def decoded(line, cap=LINE_CAP):
+    """A line read from the container as text: decoded with replacement, cut to `cap` characters."""
+    return line[:cap * 4].decode("utf-8", "replace")[:cap]
 
 
 class LineCutter:

@@ -31,6 +31,7 @@ from dflash_ops.remote.prelude import (
     alive_run,
     container_memory,
     current_segment,
+    decoded,
     default_run,
     dir_usage,
     emit,
@@ -56,6 +57,7 @@ from dflash_ops.remote.prelude import (
     serve,
     state_of_run,
     tail_lines,
+    time_left,
 )
 
 # `status` is the hot path (one interpreter start per `invoke status`): modules only some verbs need
@@ -220,8 +222,8 @@ def resolve_verb(args):
 
 def logs_tail(args):
     runs, name, path = resolve(args)
-    return {"run": name, "lines": tail_lines(os.path.join(path, LOG_FILE), int(args.get("lines", 50)),
-                                             window=max(TAIL_WINDOW, 4096 * int(args.get("lines", 50))))}
+    out, _ = last_lines(os.path.join(path, LOG_FILE), args)
+    return dict(out, run=name)
 
 
 def metrics(args):
@@ -233,6 +235,102 @@ def metrics(args):
         out[key] = lines or []
         out[key + "_left_out"], out[key + "_dropped"] = left_out, dropped
     return out
+
+
+# --- the log's last lines, filtered (logs -n, --grep, --since) --------------------------------------
+# --grep and --since search at most GREP_WINDOW bytes of the log's end (the answer says when that is
+# not all of it), within the call's deadline; a pattern that takes longer on one followed line than
+# GREP_LINE_S is refused (Python's re checks for signals while it matches: the timer interrupts it).
+
+GREP_WINDOW = 32 << 20
+GREP_LINE_S = 1.0
+STAMP = r"^(\d\d):(\d\d):(\d\d) "  # train.log's time of day (train_config.py: datefmt %H:%M:%S)
+
+
+class Pattern:
+    """The operator's --grep (compiled and checked here too: the container's Python may differ), its
+    searches bounded in time by an interval timer."""
+
+    def __init__(self, text):
+        import re
+
+        try:
+            self.regex = re.compile(text)
+        except (re.error, RecursionError, OverflowError) as exc:
+            raise Refused("bad-input", "--grep: " + str(exc)[:200]) from None
+
+    def search(self, line, seconds=GREP_LINE_S):
+        return within(seconds, "--grep on one line", self.regex.search, line)
+
+
+def within(seconds, what, fn, *args):
+    """fn(*args), or Refused("timeout") once `seconds` have passed (SIGALRM interrupts even a regex)."""
+    import signal
+
+    def expired(*_):
+        raise Refused("timeout", f"{what} took longer than {seconds:g} s: give a simpler --grep "
+                                 "(or a shorter --since)")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, max(0.001, seconds))
+    try:
+        return fn(*args)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def stamped_since(lines, since, end_time):
+    """The index of the first line written at or after `since` (epoch s). A line's time is its own
+    HH:MM:SS (local time, the day found walking back from the log's mtime `end_time`: a time later
+    than the one after it means the day before), or else the time of the stamped line before it."""
+    import re
+
+    stamp = re.compile(STAMP)
+    end = time.localtime(end_time)
+    day = time.mktime((end.tm_year, end.tm_mon, end.tm_mday, 0, 0, 0, 0, 0, -1))
+    later = end.tm_hour * 3600 + end.tm_min * 60 + end.tm_sec
+    start = len(lines)
+    for i in range(len(lines) - 1, -1, -1):
+        m = stamp.match(lines[i])
+        if not m:
+            continue
+        seconds = int(m.group(1)) * 3600 + int(m.group(2)) * 60 + int(m.group(3))
+        if seconds > later + 3600:  # written before midnight (the hour: lines of several ranks interleave)
+            day -= 86400
+        later = seconds
+        if day + seconds < since:
+            break
+        start = i
+    return start
+
+
+def last_lines(path, args):
+    """({"lines": the last args["lines"] lines (--grep: that match it; --since: written since then),
+    "searched" and "size": the bytes looked at and the log's size, "matched": how many matched}, the
+    offset of the log's end as read: a follower goes on from there)."""
+    count = max(0, int(args.get("lines", 50)))
+    grep, since = args.get("grep"), args.get("since")
+    filtered = grep is not None or since is not None
+    pattern = Pattern(grep) if grep is not None else None
+    data, start = read_end(path, GREP_WINDOW if filtered else max(TAIL_WINDOW, 4096 * count) if count else 0)
+    end = start + len(data or b"")
+    raw = end_lines(data, start) if data else []
+    if raw and raw[-1] == b"":
+        raw.pop()
+    lines = [decoded(line) for line in (raw if filtered else raw[-count:] if count else [])]
+
+    def choose():
+        chosen = lines
+        if since is not None:
+            at = since["at"] if "at" in since else time.time() - float(since["ago"])
+            chosen = chosen[stamped_since(chosen, float(at), mtime(path) or time.time()):]
+        return [line for line in chosen if pattern.regex.search(line)] if pattern is not None else chosen
+
+    if filtered:
+        lines = within(max(0.5, min(time_left() - 2, 3600.0)), "searching the log", choose)
+    return {"lines": lines[-count:] if count else [], "matched": len(lines), "searched": end - start,
+            "size": end}, end
 
 
 # --- launch -----------------------------------------------------------------------------------------
@@ -590,23 +688,38 @@ def follow(args):
     recreated by a restart) until the run ends, then answer how it ended.
 
     Streams {"run": name} first, then {"line": ...} per log line and per note of tail's ("file
-    truncated"), each cut to LINE_CAP characters (a line
-    of any length costs time linear in its length and memory bounded by the cut). The run has ended
+    truncated"), each cut to LINE_CAP characters (a line of any length costs time linear in its
+    length and memory bounded by the cut): the last `lines` lines (with `grep`, `since`: those that
+    match, `last_lines`), then every line that tail reads after them that `grep` matches. The run has ended
     when nobody has held the runs lock for 1 s (after a stop: for `grace` s, so that a restart of the
     same run is followed). Ctrl-C (SIGINT through the pty) or a hang-up ends tail and this process:
     `tail --pid` also ends once this process is gone, however it died; nothing is left behind.
     """
-    import select
-    import signal
     import subprocess
 
     runs = args["runs"]
     name, path = resolve_run(runs, args.get("name"))
-    lines, grace = int(args.get("lines", 50)), float(args.get("grace", 15))
+    grace = float(args.get("grace", 15))
+    pattern = Pattern(args["grep"]) if args.get("grep") is not None else None
+    log = os.path.join(path, LOG_FILE)
     emit(run=name)
-    tail = subprocess.Popen(["tail", "-n", str(max(0, lines)), "-F", f"--pid={os.getpid()}", "--",
-                             os.path.join(path, LOG_FILE)],
+    first, end = last_lines(log, args)  # the last -n lines (--grep, --since: those that match) ...
+    for line in first["lines"]:
+        emit(line)
+    # ... then every line written after them: tail from the byte after the end they were read to
+    tail = subprocess.Popen(["tail", "-c", f"+{end + 1}", "-F", f"--pid={os.getpid()}", "--", log],
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        return _follow_tail(tail, runs, name, path, grace, pattern, args)
+    finally:
+        tail.kill()
+        tail.wait()
+
+
+def _follow_tail(tail, runs, name, path, grace, pattern, args):
+    """follow's loop: tail's lines (those --grep matches) streamed until the run ends."""
+    import select
+    import signal
 
     def end(code):
         def handler(*_):
@@ -617,16 +730,20 @@ def follow(args):
     for sig, code in ((signal.SIGINT, 130), (signal.SIGHUP, 129), (signal.SIGTERM, 143)):
         signal.signal(sig, end(code))
     reader = LineCutter(LINE_CAP)
-    gone, last_check = 0, time.monotonic()
     fd = tail.stdout.fileno()
-    while True:
-        ready = select.select([fd], [], [], 1.0)[0]
-        if ready:
-            data = os.read(fd, FOLLOW_READ)
-            if not data:
-                break  # tail ended (its --pid, or the file system went away)
-            for line in reader.feed(data):
+
+    def pass_on():
+        """What tail has written, line by line (those --grep matches); False once it has ended."""
+        data = os.read(fd, FOLLOW_READ)
+        for line in reader.feed(data):
+            if pattern is None or pattern.search(line):
                 emit(line)
+        return bool(data)
+
+    gone, last_check = 0, time.monotonic()
+    while True:
+        if select.select([fd], [], [], 1.0)[0] and not pass_on():
+            break  # tail ended (its --pid, or the file system went away)
         if time.monotonic() - last_check >= 1.0:
             last_check = time.monotonic()
             gone = 0 if run_alive(runs, name) else gone + 1
@@ -634,16 +751,13 @@ def follow(args):
             if gone >= limit:
                 break
     deadline = time.monotonic() + 1.0  # the wrapper's last line follows the end
-    while time.monotonic() < deadline and select.select([fd], [], [], 0.2)[0]:
-        data = os.read(fd, FOLLOW_READ)
-        if not data:
-            break
-        for line in reader.feed(data):
-            emit(line)
+    while time.monotonic() < deadline and select.select([fd], [], [], 0.2)[0] and pass_on():
+        pass
     tail.kill()
     tail.wait()
     for line in reader.rest():
-        emit(line)
+        if pattern is None or pattern.search(line):
+            emit(line)
     state = state_of_run(runs, name, path, int(time.time()), float(args.get("stall_after", 600)))
     return {"run": name, "state": state["state"], "detail": state["detail"],
             "exit_code": state["files"].get("exit_code")}

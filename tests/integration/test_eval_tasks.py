@@ -101,6 +101,33 @@ def test_fetch_brings_the_checkpoint_back_verified_and_refuses_to_overwrite(trai
     assert not (tmp_path / "x").exists()
 
 
+def test_the_reporting_tasks_answer_json_alone_on_stdout(trained, tmp_path):
+    """--json on eval, metrics, fetch, prune, doctor: the result's facts on stdout, the progress (the
+    evaluation's lines) on stderr, the same exit code as without it."""
+    ev = trained.invoke("eval", "--run", RUN, "--num-prompts", "2", "--max-new-tokens", "8", "--json",
+                        timeout=600)
+    record = json.loads(ev.stdout)
+    assert record["lossless"] is True and record["prompts"] == 2 and record["acceptance_length"] >= 1.0
+    assert json.loads(trained.run_file(RUN, "eval.json")) == record
+    shown = json.loads(trained.invoke("metrics", "--run", RUN, "-n", "2", "--json").stdout)
+    [run] = shown["runs"]
+    assert run["run"] == RUN and run["steps"] == 5 and [r["step"] for r in run["train"]] == [15, 20]
+    assert [r["step"] for r in run["checkpoints"]] == [10, 20]
+    last = run["dflash_evals"][-1]  # metrics keeps numbers and a few text fields of each record
+    assert (last["step"], last["acceptance_length"]) == (record["step"], record["acceptance_length"])
+    fetched = json.loads(trained.invoke("fetch", "--run", RUN, "--to", str(tmp_path / "d"), "--json").stdout)
+    files = {f["name"]: f for f in fetched["files"]}
+    assert sorted(files) == ["config.json", "model.safetensors"] and fetched["to"] == str(tmp_path / "d")
+    local = hashlib.sha256((tmp_path / "d" / "model.safetensors").read_bytes()).hexdigest()
+    assert files["model.safetensors"]["sha256"] == local
+    pruned = json.loads(trained.invoke("prune", "--keep", "1", "--json").stdout)
+    assert pruned["acted"] is False and isinstance(pruned["plan"], list)
+    doctor = trained.invoke("doctor", "--json", check=False)
+    checks = json.loads(doctor.stdout)
+    assert doctor.returncode == (ExitStatus.OK if checks["ok"] else ExitStatus.CHECK_FAILED), doctor.stderr
+    assert checks["checks"][0]["name"] == "host reachable" and checks["checks"][0]["ok"] is True
+
+
 def test_status_watch_redraws_in_place_and_shows_failed_refreshes(trained):
     import io
 

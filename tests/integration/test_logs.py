@@ -72,6 +72,26 @@ def test_follow_keeps_up_when_the_run_is_stopped_and_restarted(deployed, live_ru
     deployed.wait_for("the follower to be gone", lambda: not follower_processes(deployed), timeout=30)
 
 
+def test_grep_and_since_choose_the_lines_and_follow_keeps_the_grep(deployed, live_run):
+    header = f"==> dflash-ops: run {live_run}"
+    steps = deployed.invoke("logs", "--run", live_run, "--grep", r"INFO step \d+/", "-n", "3").stdout
+    assert steps.splitlines()[0] == header and len(steps.splitlines()) == 4, steps
+    assert all(" INFO step " in line for line in steps.splitlines()[1:]), steps
+    recent = deployed.invoke("logs", "--run", live_run, "--since", "1h", "-n", "2").stdout.splitlines()
+    assert recent[0] == header and len(recent) == 3  # the run logs every step: lines of the last hour
+    for since in ("2999-01-01T00:00:00Z", "0s"):  # nothing is written after the future, or after now
+        assert deployed.invoke("logs", "--run", live_run, "--since", since).stdout.splitlines() == [header]
+
+    p = deployed.popen("logs", "--follow", "--run", live_run, "--grep", r"INFO step \d+/", "-n", "1")
+    assert p.stdout.readline().strip() == header
+    seen = [p.stdout.readline() for _ in range(3)]  # the last step line, then new ones as they come
+    p.send_signal(signal.SIGINT)
+    out = p.communicate(timeout=60)[0]
+    assert p.returncode == 0 and all(" INFO step " in line for line in seen), seen
+    assert [line for line in out.splitlines()[:-1] if " INFO step " not in line] == [], out
+    deployed.wait_for("the follower to be gone", lambda: not follower_processes(deployed), timeout=30)
+
+
 def test_follow_keeps_up_across_truncation_and_ends_with_the_run(deployed, live_run):
     p = start_following(deployed, live_run)
     deployed.container("sh", "-c",

@@ -40,7 +40,7 @@ def test_good_numbers_still_reach_the_task():
 
 def test_a_reader_that_leaves_early_gets_no_traceback():
     # `invoke ... | head -1`: the pipe closes under the task's output.
-    cmd = (f"{sys.executable} -m invoke deploy warmup train --dry-run "
+    cmd = (f"{sys.executable} -m invoke warmup train --dry-run "
            f"--inventory {REPO / 'inventory' / 'production.yaml'} | head -c 29")
     r = subprocess.run(["bash", "-c", cmd + "; echo; echo rc=${PIPESTATUS[0]}"], cwd=REPO,
                        capture_output=True, text=True, timeout=60)

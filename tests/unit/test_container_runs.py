@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from waiting import wait_for
@@ -377,3 +378,39 @@ def test_serve_answers_one_json_line_even_for_bad_input(capsys):
     container_runs.serve(container_runs.VERBS, ["x", "status", "{}"])  # no "runs": a KeyError in the verb
     answer = json.loads(capsys.readouterr().out)
     assert answer["error"] == "bad-input" and "KeyError" in answer["message"]
+
+
+def log_at(clock: list[tuple[str, str]]) -> str:
+    return "".join(f"{hms} INFO {text}\n" if hms else f"{text}\n" for hms, text in clock)
+
+
+def test_logs_grep_keeps_the_last_n_matching_lines(runs):
+    make_run(runs, "g", log=log_at([("12:00:00", f"step {i}/100 | loss {i}") for i in range(100)]
+                                  + [("12:00:01", "ERROR disk full"), ("12:00:02", "step 100/100 | loss 0")]))
+    got = call("logs-tail", runs=str(runs), name="g", lines=3, grep=r"ERROR|step 9\d/")
+    assert got["lines"] == ["12:00:00 INFO step 98/100 | loss 98", "12:00:00 INFO step 99/100 | loss 99",
+                            "12:00:01 INFO ERROR disk full"]
+    assert got["matched"] == 11 and got["searched"] == got["size"]
+    assert call("logs-tail", runs=str(runs), name="g", lines=3, grep="(")["error"] == "bad-input"
+
+
+def test_logs_since_counts_back_from_the_logs_time_across_midnight(runs):
+    run = make_run(runs, "s", log=log_at([("23:50:00", "old"), ("23:58:00", "before midnight"),
+                                          ("", "Traceback: a line without a time"), ("00:05:00", "after")]))
+    end = time.mktime((2026, 3, 2, 0, 6, 0, 0, 0, -1))  # the log was last written at 00:06 on March 2
+    os.utime(run / "train.log", (end, end))
+    got = call("logs-tail", runs=str(runs), name="s", lines=50, since={"at": end - 10 * 60})
+    assert got["lines"] == ["23:58:00 INFO before midnight", "Traceback: a line without a time",
+                            "00:05:00 INFO after"]
+    got = call("logs-tail", runs=str(runs), name="s", lines=50, since={"at": end - 60}, grep="a")
+    assert got["lines"] == ["00:05:00 INFO after"]
+    assert call("logs-tail", runs=str(runs), name="s", lines=50, since={"at": end})["lines"] == []
+
+
+def test_a_pattern_that_backtracks_for_ever_is_stopped_by_the_deadline():
+    try:
+        pattern = container_runs.Pattern(r"(a+)+$")
+        answer = container_runs.within(0.3, "searching the log", pattern.regex.search, "a" * 40 + "b")
+    except Refused as refused:
+        answer = refused.answer
+    assert answer["error"] == "timeout" and "simpler --grep" in answer["message"]  # the match: days

@@ -568,3 +568,24 @@ def test_stage_and_record_verbs_copy_check_and_replace_only_a_whole_copy(tmp_pat
     assert bad["error"] == "mismatch" and bad["message"] == "./sub/b: FAILED", bad
     assert (model / ".dflash-staged").read_text() == "an older record"  # the previous copy, untouched
     assert sorted(p.name for p in model.parent.iterdir()) == ["model"]  # no copy left beside it
+
+
+def test_the_dry_runs_exact_lines_elide_the_packed_helper_code_only(ct):
+    line = ship.line(ct, "release", "install", {"code": "/root/my code", "release": "abc"})
+    packed = ship.packed("release")
+    shown = deploy.elided(line)
+    assert packed in line and packed not in shown
+    assert f"<packed helper code: {len(packed)} base64 characters>" in shown
+    assert shown.replace(f"<packed helper code: {len(packed)} base64 characters>", packed) == line
+    assert len(shown) < 2000 < len(line)
+
+
+def test_a_facts_read_for_the_dry_run_never_imports_torch_nor_writes(tmp_path):
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("#!/bin/sh\nexit 3\n")  # any start of it would fail the check
+    (venv / "bin" / "python").chmod(0o755)
+    before = sorted(p.name for p in venv.rglob("*"))
+    fact = container_facts.venv_fact(str(venv), {}, torch_check="never")
+    assert fact["python"] is True and fact["torch"] is None
+    assert sorted(p.name for p in venv.rglob("*")) == before

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rich.console import Console
 
-from dflash_ops import launch, metrics, status
+from dflash_ops import cli, launch, metrics, status
 from dflash_ops.errors import DflashOpsError
 from dflash_ops.inventory import parse_inventory
 from dflash_ops.remote import readings, ship
@@ -66,7 +66,7 @@ def test_status_parser_answers_a_status_or_one_line(text):
     except (ValueError, DflashOpsError) as exc:
         return one_line(exc)
     assert parsed.state in ("none", "missing", "running", "stalled", "finished", "crashed", "stopped")
-    json.loads(parsed.to_json())
+    json.loads(cli.as_json_text(parsed.facts()))
     console = Console(record=True, width=100, file=open("/dev/null", "w"))
     status.render(parsed, "pve1/200", console)  # rich markup in any of it must not break the table
 

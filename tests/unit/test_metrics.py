@@ -92,6 +92,85 @@ def test_plot_of_a_run_without_metrics_is_refused(tmp_path):
                      str(tmp_path / "x.png"))
 
 
+def two_runs():
+    first = metrics.parse_metrics(metrics_answer(RECORDED), "base")
+    second = metrics.parse_metrics(metrics_answer(RECORDED.replace('"loss": 7.86', '"loss": 6.5')), "lr-high")
+    return first, second
+
+
+def test_several_runs_are_overlaid_one_line_each_with_a_legend(tmp_path):
+    first, second = two_runs()
+    fig = metrics.overlay_figure([first, second])
+    loss, tau, held, speed = fig.axes
+    for ax in (loss, tau, speed):
+        assert [line.get_label() for line in ax.get_lines()] == ["base", "lr-high"]
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == ["base", "lr-high"]
+    assert [list(line.get_ydata()) for line in loss.get_lines()] == [[7.86, 3.38], [6.5, 3.38]]
+    assert [list(line.get_xdata()) for line in held.get_lines()] == [[0, 50], [0, 50]]
+    assert len(tau.collections) == 2  # each run's dflash evaluation, a star in its colour
+    path = metrics.plot([first, second], str(tmp_path / "both.png"))
+    assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def read_events(folder):
+    """Every scalar of the TensorBoard event files in `folder`: {tag: [(step, value)]}, read back from
+    the TFRecord framing (length, its crc, the Event proto, its crc) as TensorBoard reads it."""
+    import struct
+
+    from tensorboardX.crc32c import crc32c
+    from tensorboardX.proto.event_pb2 import Event
+
+    def masked(data):
+        crc = crc32c(data)
+        return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+    scalars = {}
+    for path in sorted(folder.glob("events.out.tfevents.*")):
+        data, at = path.read_bytes(), 0
+        while at < len(data):
+            head = data[at:at + 8]
+            (length,), (head_crc,) = struct.unpack("<Q", head), struct.unpack("<I", data[at + 8:at + 12])
+            body = data[at + 12:at + 12 + length]
+            (body_crc,) = struct.unpack("<I", data[at + 12 + length:at + 16 + length])
+            assert head_crc == masked(head) and body_crc == masked(body)
+            event = Event.FromString(body)
+            for value in event.summary.value:  # float32 values: compared at 4 decimals
+                scalars.setdefault(value.tag, []).append((event.step, round(value.simple_value, 4)))
+            at += 16 + length
+    return scalars
+
+
+def test_tensorboard_event_files_read_back_with_every_step_and_value(tmp_path):
+    first, second = two_runs()
+    written = metrics.export_tensorboard([first, second], str(tmp_path / "tb"))
+    assert written == [str(tmp_path / "tb" / "base"), str(tmp_path / "tb" / "lr-high")]
+    got = read_events(tmp_path / "tb" / "lr-high")
+    assert got["train/loss"] == [(25, 6.5), (50, 3.38)]
+    assert got["train/acceptance_length"] == [(25, 1.08), (50, 1.2)]
+    assert got["train/slot_accuracy/3"] == [(25, 0.08), (50, 0.17)]
+    assert got["heldout/loss"] == [(0, 16.55), (50, 3.1)]
+    assert got["dflash_eval/acceptance_length"] == [(50, 2.08)]
+    metrics.export_tensorboard([second], str(tmp_path / "tb"))  # again: replaces its own, not added to it
+    assert read_events(tmp_path / "tb" / "lr-high") == got
+    assert len(list((tmp_path / "tb" / "lr-high").iterdir())) == 1
+
+
+def test_a_latest_run_name_that_is_no_run_name_is_not_a_directory(tmp_path):
+    from dflash_ops.errors import UntrustedData
+
+    odd = metrics.parse_metrics(metrics_answer(RECORDED), "../escape")
+    with pytest.raises(UntrustedData):
+        metrics.export_tensorboard([odd], str(tmp_path / "tb"))
+    assert not (tmp_path / "escape").exists()
+
+
+@pytest.mark.parametrize("path, said", [("/nonexistent/tb", "the directory /nonexistent does not exist"),
+                                        ("/etc/hostname", "is not a directory")])
+def test_a_bad_tensorboard_dir_is_one_line(path, said):
+    with pytest.raises(UsageError, match=said):
+        metrics.check_tensorboard_dir(path)
+
+
 def run_verb(verb, payload):
     """remote/runs.py's verb through the exact loader and packed text the container gets."""
     argv = [sys.executable, "-S", "-c", ship.LOADER, ship.packed("runs"), verb, json.dumps(payload)]

@@ -65,7 +65,7 @@ def test_secret_looking_names_are_masked_and_ordinary_ones_are_not(tmp_path, nam
     assert inv.containers[200].secret_values() == ("v4lue",)
 
 
-@pytest.mark.parametrize("task", [["train", "--run", "r1"], ["warmup"], ["deploy"]])
+@pytest.mark.parametrize("task", [["train", "--run", "r1"], ["warmup"]])  # deploy: below
 def test_dry_run_of_every_task_that_sends_the_env_shows_no_secret_value(tmp_path, task):
     env = {f"S{i}_TOKEN": v for i, v in enumerate(SECRET_VALUES)}
     env["CUSTOM_NAME"] = "listed-by-name-s3cr3t"
@@ -125,3 +125,22 @@ def test_property_a_masked_line_never_shows_the_secret_and_the_sent_line_carries
     line = commands.pct_exec(200, ["python", "train.py", f"--set=x={other}"], env=env)
     assert f"HF_TOKEN={value}" in shlex.split(line)  # sent as is
     assert_hidden(value, commands.mask(line, [value]))
+
+
+def test_deploys_plan_shows_no_secret_value_in_its_exact_lines(tmp_path, monkeypatch):
+    """deploy --dry-run -v reads the container first (here: a container without code or venv, so every
+    step is planned, pip's environment included); its exact lines are masked as every dry run's."""
+    from dflash_ops import deploy, target
+    from dflash_ops.remote import ship
+
+    env = {f"S{i}_TOKEN": v for i, v in enumerate(SECRET_VALUES)}
+    env["CUSTOM_NAME"] = "listed-by-name-s3cr3t"
+    pip_env = {"PIP_INDEX_URL": "https://user:pip-s3cr3t@pypi.example/simple"}
+    inventory = inventory_with(tmp_path, env, secret_env=["CUSTOM_NAME", "PIP_INDEX_URL"], pip_env=pip_env)
+    monkeypatch.setattr(ship, "facts", lambda *args, **kwargs: {})  # the read: nothing deployed yet
+    plan = deploy.deploy(target.resolve_one(str(inventory), None, dry_run=True), verbose=True)
+    text = plan.describe()
+    assert "venv: create " in text and "create the venv with pip" in text
+    for value in [*env.values(), *pip_env.values()]:
+        assert_hidden(value, text)
+    assert commands.MASK in text

@@ -10,6 +10,7 @@ import json
 import pytest
 from recorded_answers import status_answer
 
+from dflash_ops import cli
 from dflash_ops.remote.prelude import describe_exit
 from dflash_ops.status import RunStatus, parse_status, render
 
@@ -251,7 +252,7 @@ def test_json_and_table_render_every_fact():
     from rich.console import Console
 
     st = parse_status(status_answer(FINISHED.replace("end\n", GPUS + "end\n")))
-    data = json.loads(st.to_json())
+    data = json.loads(cli.as_json_text(st.facts()))
     assert data["state"] == "finished" and data["step"] == 30 and data["gpus"][0]["memory_used_mib"] == 70211
     assert set(data) == set(RunStatus.__dataclass_fields__)
     console = Console(record=True, width=120)
@@ -285,7 +286,7 @@ def test_replicas_that_differ_at_the_last_checkpoint_are_shown():
               '"replica_max_abs_diff": 0.053}\n')
     st = parse_status(status_answer(FINISHED.replace("end\n", differ + "end\n")))
     assert st.replicas_differ == pytest.approx(0.053)
-    assert json.loads(st.to_json())["replicas_differ"] == pytest.approx(0.053)
+    assert json.loads(cli.as_json_text(st.facts()))["replicas_differ"] == pytest.approx(0.053)
     console = Console(record=True, width=120)
     render(st, "pve1/200", console)
     text = console.export_text()
@@ -303,7 +304,7 @@ def test_the_runs_spec_is_in_the_json_and_only_of_its_types():
                       "devices": {"target": "cuda:0", "drafter": ["x"]}, "code_version": "tree abc",
                       "argv": ["not", "kept"]}
     st = parse_status(json.dumps(reply) + "\n")
-    assert json.loads(st.to_json())["spec"] == {
+    assert json.loads(cli.as_json_text(st.facts()))["spec"] == {
         "config": "/root/dflash/configs/tiny-cpu.yaml", "max_steps": 3000, "max_restarts": None,
         "sets": ["data.train=/root/data/train.jsonl", "train.max_steps=3000"],
         "devices": {"target": "cuda:0", "drafter": None}, "inventory_sets": [], "code_version": "tree abc",

@@ -7,10 +7,11 @@ on against every switch off, over the same steps, seeds and data.
 Each seed runs train_dflash.py from configs/tiny-cpu.yaml, with `train.autocast: bfloat16` in
 every run (the plain bf16 path) and a loss logged every step: every switch off, and every switch
 on (speed.compile_layers, speed.param_dtype bfloat16, speed.fp8_lm_head; compile_layers applies on
-CUDA only); `--variants fp8,no-fp8` adds FP8 alone and the other two alone. The target is made by
-make_tiny_target.py: the tiny one, or with `--shape qwen3-8b` Qwen3-8B's widths, heads and
-vocabulary (151,936) with 6 random layers, built on the GPU; the drafter then has the production
-shape's 5 layers and block 16 with flex_attention compiled, 32 rows of the synthetic chats a step.
+CUDA only); `--variants fp8,no-fp8` adds FP8 alone and the other two together,
+`fp8,compile,bf16-params` each switch alone. The target is made by make_tiny_target.py: the
+tiny one, or with `--shape qwen3-8b` Qwen3-8B's widths, heads and vocabulary (151,936) with 6
+random layers, built on the GPU; the drafter then has the production shape's 5 layers and block
+16 with flex_attention compiled, 32 rows of the synthetic chats a step.
 
 The metric (bench/gpu/common.py curve_gap, also bench_peers.py's GPU curve): the seeds' losses
 averaged step by step, 20-step window means, the largest relative difference on vs off. One
@@ -40,6 +41,8 @@ VARIANTS = {
     # one switch group at a time (--variants), to tell which one moves the curve
     "fp8": ["speed.fp8_lm_head=true"],
     "no-fp8": ["speed.compile_layers=true", "speed.param_dtype=bfloat16"],
+    "compile": ["speed.compile_layers=true"],
+    "bf16-params": ["speed.param_dtype=bfloat16"],
 }
 COMMON = ["train.autocast=bfloat16", "train.log_every=1", "train.eval_every=100000",
           "train.save_every=100000", "data.heldout=null"]
@@ -98,19 +101,20 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--window", type=int, default=20)
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time")
-    parser.add_argument("--variants", default="on", help="compared with off: on, fp8, no-fp8")
+    choices = ", ".join(v for v in VARIANTS if v != "off")
+    parser.add_argument("--variants", default="on", help=f"compared with off: {choices}")
     parser.add_argument("--out", default=os.environ.get("OUT"))
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(variants) - set(VARIANTS) | ({"off"} & set(variants)))
+    if unknown:
+        parser.error(f"--variants: unknown {unknown}; choose from {choices}")
     work = tempfile.mkdtemp(prefix="numerics-")
     target = os.path.join(work, "target")
     started = time.perf_counter()
     make_target(args.shape, args.device, target)
     print(f"target {args.shape} made in {time.perf_counter() - started:.1f} s", flush=True)
-    variants = [v for v in args.variants.split(",") if v]
-    unknown = sorted(set(variants) - set(VARIANTS) | ({"off"} & set(variants)))
-    if unknown:
-        parser.error(f"--variants: unknown {unknown}; choose from on, fp8, no-fp8")
     jobs = [(variant, seed) for seed in seeds for variant in ("off", *variants)]
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         runs = list(pool.map(lambda job: train(os.path.join(work, f"run-{job[0]}-{job[1]}"),

@@ -123,8 +123,8 @@ def test_last_lines_and_known_failures_highlighted(deployed, live_run):
     assert r.stdout.rstrip().endswith("CUDA out of memory: read docs/runbooks/cuda-oom.md")
 
 
-def sshd_session_of(deployed):
-    """The sandbox's sshd process serving the SSH connection of the (one) log follower."""
+def sshd_sessions_of_followers(deployed):
+    """The sandbox's sshd processes serving an SSH connection that runs a log follower."""
     def parent(p):
         return int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1])
 
@@ -132,21 +132,37 @@ def sshd_session_of(deployed):
         return open(f"/proc/{p}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
 
     lxc = sandbox_mod.lxcpath(deployed.sandbox.host("pve1").dir)
+    sessions = set()
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             cmd = cmdline(int(entry))
-        except OSError:
+            # pct exec becomes `lxc-attach -P <lxcpath> ... -- <the container's argv>` (pct execs it,
+            # as pve-container): the host process whose argv runs the runs helper's follow verb, under
+            # an sshd session. Of this sandbox only (its lxcpath): a follower of another sandbox on the
+            # machine (an xdist worker's, another checkout's) is not ours to kill; it once was, and
+            # that follow ended with `exit -1` in test_jobs and test_launch.
+            if " follow {" in cmd and (cmd.startswith(f"/usr/bin/lxc-attach -P {lxc} -n 200 ")
+                                       or f"{deployed.sandbox.pct} exec 200 " in cmd):
+                p = int(entry)
+                while p > 1:
+                    if cmdline(p).startswith("sshd: root@"):
+                        sessions.add(p)
+                        break
+                    p = parent(p)
+        except OSError:  # the process ended meanwhile
             continue
-        # pct exec becomes `lxc-attach -P <lxcpath> ... -- <the container's argv>` (pct execs it, as
-        # pve-container): the host process whose argv runs the runs helper's follow verb, under an sshd
-        # session. Of this sandbox only (its lxcpath): a follower of another sandbox on the machine (an
-        # xdist worker's, another checkout's) is not ours to kill; it once was, and that follow ended
-        # with `exit -1` in test_jobs and test_launch.
-        if " follow {" in cmd and (cmd.startswith(f"/usr/bin/lxc-attach -P {lxc} -n 200 ")
-                                   or f"{deployed.sandbox.pct} exec 200 " in cmd):
-            p = int(entry)
-            while p > 1:
-                if cmdline(p).startswith("sshd: root@"):
-                    return p
-                p = parent(p)
-    raise AssertionError("no sshd session serving a follower")
+    return sessions
+
+
+def sshd_session_of(deployed):
+    """The sshd process serving the SSH connection of the one log follower now running.
+
+    The container's side of an earlier test's follower is gone (that test waited for it), but its
+    host side (lxc-attach under its sshd session) can still be exiting: under load it was found first
+    once, and killing that stale session left this test's follower running. So: wait until exactly
+    one session serves a follower."""
+    def one():
+        sessions = sshd_sessions_of_followers(deployed)
+        return sessions if len(sessions) == 1 else None
+
+    return deployed.wait_for("one sshd session serving a follower", one, timeout=60).pop()

@@ -32,8 +32,8 @@ class ExitStatus(IntEnum):
     UNTRUSTED = 11, ("what the container wrote was refused as unsafe (`fetch`: a checkpoint outside the run, "
                      "a symlink, a name that is not the checkpoint's, a sparse file, a checkpoint past "
                      "`--max-size` or its expected size)")
-    PREFLIGHT = 12, ("`train`: a preflight check failed in the container (the line names the fix); "
-                     "nothing was launched")
+    PREFLIGHT = 12, ("a check before the work failed in the container (the line names the fix), nothing "
+                     "was started: `train`'s preflight, or a path `warmup`, `eval` or `regenerate` needs")
     TIMED_OUT = 13, ("a task's work on the host or in the container ran past its deadline (`--timeout`, "
                      "or the task's own): it was ended there, its process group with it")
     INTERRUPTED = 130, "interrupted with Ctrl-C"

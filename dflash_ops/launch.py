@@ -309,8 +309,9 @@ def refused(ct: Container, answer: dict, what: str) -> None:
         raise RunStateError(f"{ct.label}: {message}")
     if kind == "not-deployed":
         raise RemoteCommandFailed(f"{ct.label}: {message}; run `invoke deploy`")
-    if kind == "no-config":
-        raise RemoteCommandFailed(f"{ct.label}: {message}; check --config (relative to paths.code)")
+    if kind == "no-config":  # bad input found in the container, before anything started: as a preflight
+        raise PreflightFailed(f"{ct.label}: {message}; check --config (relative to paths.code); "
+                              "nothing was launched")
     if kind == "preflight":
         check = terminal.visible(str(answer.get("check") or "?"))[:80]
         fix = terminal.visible(str(answer.get("fix") or ""))[:400]
@@ -518,6 +519,10 @@ def warmup(t, config: str | None = None, sets: Sequence[str] = (), out=None,
 
     ct = t.container
     timeout = payload.timeout_of("warmup", timeout)
+    config_file = config_path(ct, config)  # one round trip before the script imports torch (15-20 s)
+    payload.require(t, [payload.Need(config_file, "f", PreflightFailed(
+        f"{ct.label}: config {config_file} not found in the container; check --config (relative to "
+        "paths.code); nothing was started"))])
     devices = [d for d in ct.roles.devices("drafter").split(",") if d]
     progress = WarmupProgress(devices=devices, out=out)
     with payload.deadline(ct, "the warm-up", timeout):

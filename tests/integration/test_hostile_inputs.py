@@ -149,7 +149,10 @@ def _yaml_or_none(text):
 def test_hostile_config_paths_are_missing_files_not_commands(deployed):
     for config in [f"configs/x.yaml; touch {MARK}", f"$(touch {MARK})", f"/tmp/`touch {MARK}`.yaml"]:
         r = deployed.invoke("train", "--run", "cfg", "--config", config, check=False)
-        line = one_line_error(r, ExitStatus.REMOTE_FAILED)
+        line = one_line_error(r, ExitStatus.PREFLIGHT)
+        assert "not found in the container; check --config" in line and config in line
+        warm = deployed.invoke("warmup", "--config", config, check=False)
+        line = one_line_error(warm, ExitStatus.PREFLIGHT)
         assert "not found in the container; check --config" in line and config in line
     for config in ["-rf", "a\nb"]:
         refused = deployed.invoke("train", "--config", config, check=False)

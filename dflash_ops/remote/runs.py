@@ -319,6 +319,10 @@ def last_lines(path, args):
     if raw and raw[-1] == b"":
         raw.pop()
     lines = [decoded(line) for line in (raw if filtered else raw[-count:] if count else [])]
+    if not filtered and 0 < len(raw) < count and start > 0:
+        # fewer whole lines than asked in the window: a line longer than the window ends in it; it is
+        # shown cut, as the follower cuts the lines it reads (its start lies before the window)
+        lines.insert(0, "…" + decoded(data.split(b"\n", 1)[0]))
 
     def choose():
         chosen = lines
@@ -478,13 +482,18 @@ def _unlink(directory, names):
 
 def _hook(hook):
     """The wrapper's `ended` call, from ship.argv's [python, -S, -c, loader, helper, "ended", json]:
-    [python, loader, helper, json] (four empty words without one: the wrapper then never restarts)."""
+    [python, loader, helper, json] (four empty words without one: the wrapper then never restarts).
+    An empty helper is this verb's own packed text (the loader's `_PACKED`), so the launch line
+    carries it once."""
     if not hook:
         return ["", "", "", ""]
     if (not isinstance(hook, list) or len(hook) != 7 or not all(isinstance(w, str) for w in hook)
             or hook[1:3] != ["-S", "-c"] or hook[5] != "ended"):
         raise Refused("bad-input", "the hook is not the `ended` verb's argv")
-    return [hook[0], hook[3], hook[4], hook[6]]
+    helper = hook[4] or globals().get("_PACKED")
+    if not helper:
+        raise Refused("bad-input", "the hook names no helper, and this one was not started by the loader")
+    return [hook[0], hook[3], helper, hook[6]]
 
 
 # --- segments: each launch, resume or automatic restart of a run (`invoke runs --history`) ----------

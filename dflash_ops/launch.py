@@ -148,6 +148,7 @@ def launch_argv(ct: Container, name: str, config: str | None = None, sets: Seque
         "hook": ship.argv(ct, "runs", "ended", {"runs": ct.paths.runs, "name": name,
                                                 "restart": restart_policy(max_restarts)}),
     }
+    payload["hook"][4] = ""  # the helper's text: the launch verb's own (remote/runs.py `_hook`), sent once
     return ship.argv(ct, "runs", "launch", payload), train
 
 

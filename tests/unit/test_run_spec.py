@@ -118,6 +118,7 @@ def test_max_restarts_is_saved_kept_by_a_resume_and_changed_by_a_new_value(ct):
     assert record["max_restarts"] == 2
     hook = payload["hook"]  # what the wrapper runs when the training process ends
     assert hook[:3] == [ct.python, "-S", "-c"] and hook[5] == "ended"
+    assert hook[4] == ""  # the helper travels once, as the launch verb's own text (runs._hook)
     restart = json.loads(hook[6])["restart"]
     assert restart["max"] == 2 and restart["signals"] == [9, 11, 7]
     assert any("NCCL" in p for p in restart["patterns"])

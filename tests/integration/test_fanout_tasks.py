@@ -52,8 +52,10 @@ def test_status_logs_stop_one_row_per_container(cli):
                         r"\| tau \d\.\d\d", status["pve2/201"][1]), status
     facts = json.loads(cli("status", "--group", "all", "--run", "short", "--json",
                            code=ExitStatus.FAN_OUT_FAILED).stdout)
-    assert list(facts) == ["pve2/201"] and (facts["pve2/201"]["state"], facts["pve2/201"]["step"]) == (
-        "finished", 2)
+    # --json over several containers: each container's facts, or its one error line
+    assert sorted(facts) == ["pve1/200", "pve2/201"], facts
+    assert facts["pve1/200"]["error"].startswith("no run 'short' on pve1/200"), facts
+    assert (facts["pve2/201"]["state"], facts["pve2/201"]["step"]) == ("finished", 2), facts
 
     # One container has no such run: its row fails, the other's lines and row are still there.
     logs = cli("logs", "--group", "all", "--run", "short", "-n", "5", code=ExitStatus.FAN_OUT_FAILED)

@@ -77,7 +77,7 @@ def test_a_killed_client_leaves_no_follower_and_the_run_goes_on(deployed, sleepy
                 'setsid -f flock "$1/.lock" sh "$1/$2/run.sh" </dev/null >/dev/null 2>&1', RUNS, RUN, holder)
     try:
         deployed.wait_for("the run to hold its lock", lambda: any(holder in p for p in deployed.processes()))
-        kill_the_client_mid_command(deployed, inventory, ["logs", "--follow"], "tail -n 50 -F", "run_alive()")
+        kill_the_client_mid_command(deployed, inventory, ["logs", "--follow"], "tail -c +", " follow {")
         assert any(p.startswith(holder) for p in deployed.processes())  # the run is still there
     finally:
         deployed.sh('pkill -x -f "$1"; true', holder)

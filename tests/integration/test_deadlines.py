@@ -33,10 +33,12 @@ def hung(sandbox, tmp_path_factory):
     weights became a FIFO after their checksum was recorded."""
     box = Deployed(sandbox)
     mark = str(10**7 + uuid.uuid4().int % 10**7)
-    box.sh('r=$1; rm -rf "$r" && mkdir -p "$r/venv/bin" "$r/code/data" "$r/runs/anyrun/checkpoints" '
-           '"$r/model" "$r/store" && printf "#!/bin/sh\\nexec sleep %s\\n" "$2" > "$r/venv/bin/python" && '
+    box.sh('r=$1; rm -rf "$r" && mkdir -p "$r/venv/bin" "$r/code/data" "$r/code/configs" '
+           '"$r/runs/anyrun/checkpoints" "$r/model" "$r/store" && '
+           'printf "#!/bin/sh\\nexec sleep %s\\n" "$2" > "$r/venv/bin/python" && '
            'chmod +x "$r/venv/bin/python" && touch "$r/code/warmup_compile.py" "$r/code/data/train.jsonl" '
-           '"$r/code/data/heldout.jsonl" && echo "{}" > "$r/model/config.json" && '
+           '"$r/code/data/heldout.jsonl" "$r/code/configs/tiny-cpu.yaml" && '
+           'echo "{}" > "$r/model/config.json" && '
            'echo weights > "$r/store/w" && (cd "$r/store" && sha256sum ./w > "$r/store.sha256") && '
            'rm "$r/store/w" && mkfifo "$r/store/w"', ROOT, mark)
     inv = yaml.safe_load(Path(box.inventory).read_text())

@@ -14,7 +14,8 @@ Sections (`--only`, comma list; default all but curve27b):
 - curve:   `--curve-steps` steps of ours with every speed switch off and of each of
            `--curve-variants` (default every switch on), the same batches in the same order;
            the largest relative difference of the 20-step means (common.curve_gap, the metric
-           bench_numerics.py takes over train_dflash.py runs);
+           bench_numerics.py takes over train_dflash.py runs), on the mean curve of
+           `--curve-seeds` and per seed;
 - threads: three workers of ours (every switch on) on one device, stepping in threads as
            training does (warm-up first); the replicas must stay identical.
 
@@ -463,37 +464,48 @@ def curve_batch(config, dcfg, embed, device, step: int, seed: int = 7, noise: fl
 
 
 def run_curves(results, device, smoke, cache_dir, steps, shape_kind="8b", window=20,
-               variants=("ours+all",)):
+               variants=("ours+all",), seeds=(0,)):
     """Each of `variants` against "ours" (every switch off): the same batches in the same order,
-    the learning-rate schedule of a run of `steps` steps (warm-up 4%, cosine)."""
-    curves = {}
-    for variant in ("ours", *variants):
-        free(device)
-        worker, _, _, config = our_worker(variant, shape_kind, device, smoke, cache_dir, seed=3,
-                                          extra=[f"train.max_steps={steps}"])
-        losses = []
-        t0 = time.perf_counter()
-        for i in range(steps):
-            batch = curve_batch(config, worker.drafter.config, worker.embed_weight, device, i)
-            loss, _ = worker.forward_backward(batch)
-            worker.update()
-            losses.append(loss)
-        curves[variant] = losses
-        print(f"curve {variant}: {steps} steps in {time.perf_counter() - t0:.1f} s, loss "
-              f"{losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
-        worker = batch = None
-        free(device)
+    the learning-rate schedule of a run of `steps` steps (warm-up 4%, cosine), for each seed.
+
+    Seed k sets the drafter's initialisation (train.seed k), the stand-in target's embedding and
+    head (3 + k) and the batches (7 + k); seed 0 is the one curve of the earlier calls. The gap is
+    taken on the curves averaged over the seeds step by step (common.curve_gap), and per seed.
+    Each finished curve is recorded at once (a killed run keeps the seeds it finished)."""
+    curves: dict[str, list[list[float]]] = {}
+    for seed in seeds:
+        for variant in ("ours", *variants):
+            free(device)
+            worker, _, _, config = our_worker(variant, shape_kind, device, smoke, cache_dir,
+                                              seed=3 + seed,
+                                              extra=[f"train.max_steps={steps}",
+                                                     f"train.seed={seed}"])
+            losses = []
+            t0 = time.perf_counter()
+            for i in range(steps):
+                batch = curve_batch(config, worker.drafter.config, worker.embed_weight, device, i,
+                                    seed=7 + seed)
+                loss, _ = worker.forward_backward(batch)
+                worker.update()
+                losses.append(loss)
+            curves.setdefault(variant, []).append(losses)
+            seconds = time.perf_counter() - t0
+            print(f"curve {variant} seed {seed}: {steps} steps in {seconds:.1f} s, loss "
+                  f"{losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+            results.add("curve-run", f"{shape_kind}:{variant}:seed{seed}", steps=steps,
+                        seconds=round(seconds, 1), losses=[round(x, 5) for x in losses])
+            worker = batch = None
+            free(device)
     where = "cpu" if device == "cpu" else "gpu"
     for variant in variants:
-        gap = curve_gap([curves["ours"]], [curves[variant]], window)
-        step_rel = [abs(f - b) / abs(b) for b, f in zip(curves["ours"], curves[variant], strict=True)]
-        results.add("curve", f"{shape_kind}:{where}:{variant}", steps=steps,
+        gap = curve_gap(curves["ours"], curves[variant], window)
+        per_seed = {f"seed{seed}": round(curve_gap([base], [fast], window)["max_abs_pct"], 3)
+                    for seed, base, fast in zip(seeds, curves["ours"], curves[variant], strict=True)}
+        results.add("curve", f"{shape_kind}:{where}:{variant}", steps=steps, seeds=list(seeds),
                     max_rel_diff_window_pct=gap["max_abs_pct"], signed_pct=gap["signed_pct"],
-                    max_rel_diff_step_pct=100 * max(step_rel), windows=gap["windows"],
-                    losses=[round(x, 5) for x in curves[variant]],
-                    base_losses=[round(x, 5) for x in curves["ours"]],
-                    note=f"{window}-step means, {variant} vs every switch off (on CPU: "
-                         "compile_layers off)")
+                    per_seed_max_pct=per_seed, windows=gap["windows"],
+                    note=f"{window}-step means of the seeds' mean curve, {variant} vs every "
+                         "switch off (on CPU: compile_layers off)")
 
 
 # ----------------------------------------------------------------------------- main
@@ -534,6 +546,8 @@ def main() -> int:
     parser.add_argument("--curve-steps", type=int, default=300)
     parser.add_argument("--curve-variants", default="ours+all",
                         help="our variants whose curves are compared with ours (all off)")
+    parser.add_argument("--curve-seeds", default="0",
+                        help="seeds of the curves, comma list; the gap is taken on their mean")
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda:0"
     if args.smoke:
@@ -570,7 +584,8 @@ def main() -> int:
     if "curve" in only:
         try:
             run_curves(results, device, args.smoke, cache_dir, args.curve_steps,
-                       variants=[v for v in args.curve_variants.split(",") if v])
+                       variants=[v for v in args.curve_variants.split(",") if v],
+                       seeds=[int(v) for v in args.curve_seeds.split(",") if v])
         except Exception as exc:
             failed(results, "curve", "8b", exc)
     print_profiles(results)

@@ -70,7 +70,7 @@ class Results:
                 "out_vs_sdpa", "rel_err_vs_project", "peak_gib", "ready_s", "first_step_s", "rc", "hung",
                 "reached_step", "main_thread_warmup_s", "cold_s", "warm_s", "ratio", "warmup_cold_s",
                 "warmup_warm_s", "gpu_util_mean", "gpu_samples",
-                "lock_wait_s_per_step", "note"]
+                "lock_wait_s_per_step", "max_rel_diff_window_pct", "per_seed_max_pct", "note"]
         lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         for row in self.rows:
             row = dict(row, details=" ".join(

@@ -464,7 +464,7 @@ def clean_cache(t, force=False, json=False, ct=None, group=None, dry_run=False, 
 # --- the trained drafter: eval, regenerate, metrics, fetch ----------------------------------------
 @op_task(name="eval", help={
     "run": "run name (a directory under paths.runs)",
-    "checkpoint": "latest, step-N, or a checkpoint directory in the container",
+    "checkpoint": "latest, step-N, init (the untrained drafter, a baseline) or a checkpoint directory",
     "prompts": "chat JSONL in the container (default: the run's data.heldout)",
     "num_prompts": "how many held-out prompts (default 16)",
     "max_new_tokens": "longest answer per prompt (default 64)",

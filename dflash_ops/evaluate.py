@@ -38,7 +38,8 @@ def eval_argv(ct: Container, run: str, checkpoint: str = "latest", prompts: str 
               device: str | None = None) -> list[str]:
     """Pure. `--opt=value` throughout, so no value is read as an option."""
     if not checkpoint or checkpoint.startswith("-") or "\n" in checkpoint:
-        raise UsageError(f"--checkpoint {checkpoint!r}: give latest, step-N or a directory in the container")
+        raise UsageError(f"--checkpoint {checkpoint!r}: give latest, step-N, init or a directory in the "
+                         "container")
     for name, value in (("num-prompts", num_prompts), ("max-new-tokens", max_new_tokens)):
         if value is not None and int(value) < 1:
             raise UsageError(f"--{name} {value}: must be >= 1")
@@ -81,10 +82,12 @@ def regenerate_argv(ct: Container, sources: Sequence[str] = (), out_dir: str | N
 
 def eval_needs(ct: Container, run: str, checkpoint: str, prompts: str | None) -> list[payload.Need]:
     """What eval_dflash.py needs, checked before it starts (payload.require): the run, its
-    checkpoint (latest, step-N or a directory), the prompts file when given."""
+    checkpoint (latest, step-N, init or a directory), the prompts file when given."""
     run_dir = runs.run_dir(ct, run)
     if checkpoint == "latest":  # a pointer file, or the highest complete step: the script resolves it
         needed, test, checkpoint_dir = f"{run_dir}/checkpoints", "d", f"{run_dir}/checkpoints"
+    elif checkpoint == "init":  # the untrained drafter: the script builds it from the run's config
+        needed, test, checkpoint_dir = f"{run_dir}/config.yaml", "f", run_dir
     else:
         checkpoint_dir = checkpoint if "/" in checkpoint else f"{run_dir}/checkpoints/{checkpoint}"
         needed, test = f"{checkpoint_dir}/config.json", "f"

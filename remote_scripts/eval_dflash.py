@@ -1,13 +1,15 @@
 """Evaluate a run's drafter with the official `dflash` inference code against the run's target.
 
-    python eval_dflash.py --run-dir D [--checkpoint latest|step-N|DIR] [--prompts JSONL]
+    python eval_dflash.py --run-dir D [--checkpoint latest|step-N|init|DIR] [--prompts JSONL]
         [--num-prompts 16] [--max-new-tokens 64] [--device cuda:0|cpu]
 
 Loads the checkpoint with `dflash.model.DFlashDraftModel.from_pretrained` (refused if any key is
-missing or unexpected) and the target named by the run's resolved config.yaml, then decodes each
-held-out prompt twice, greedily: plain (one target forward per token) and speculatively with
-`dflash.model.dflash_generate`. Prompts come from the held-out file only: any whose prompt also
-appears in the run's training data is skipped (and counted). Reports whether every speculative output equals
+missing or unexpected; `init` is the untrained baseline: the drafter the run's config initialises,
+train.seed, before any step, saved once as RUN/untrained) and the target named by the run's
+resolved config.yaml, then decodes each held-out prompt twice, greedily: plain (one target
+forward per token) and speculatively with `dflash.model.dflash_generate`. Prompts come from the
+held-out file only: any whose prompt also appears in the run's training data is skipped (and
+counted). Reports whether every speculative output equals
 the plain one (lossless), the mean acceptance length (tokens a verification step yields, the bonus token
 included, as dflash's own stats count it), tokens per target forward, and the wall-clock speedup.
 Writes RUN/eval.json (atomically) and appends the same record to RUN/evals.jsonl; the last stdout
@@ -55,6 +57,30 @@ def resolve_checkpoint(run_dir: str, checkpoint: str) -> str:
     if not os.path.isfile(os.path.join(candidate, "config.json")):
         raise EvalError(f"checkpoint {checkpoint!r}: no config.json in {candidate}")
     return candidate
+
+
+def initial_checkpoint(run_dir: str, config, tokenizer, target_path: str) -> str:
+    """RUN/untrained: the drafter as the run's config initialises it (train.seed, built on the
+    first drafter device's kind, as training builds it), before any step, in the dflash layout:
+    the baseline a trained checkpoint's acceptance is compared with. Written once, atomically."""
+    import training
+    from dflash_model import text_config
+
+    final = os.path.join(run_dir, "untrained")
+    if os.path.isfile(os.path.join(final, "config.json")):
+        return final
+    target_config = target_model.load_target_config(target_path)
+    mask_token_id = training.resolve_mask_token_id(config, tokenizer,
+                                                   text_config(target_config).vocab_size)
+    first = config.devices.drafter.split(",")[0].strip()
+    device = first if first.startswith("cuda") and torch.cuda.is_available() else "cpu"
+    drafter = training.build_drafter_template(config, target_config, mask_token_id,
+                                              training.target_layer_ids(config, target_config),
+                                              device)
+    temp = f"{final}.tmp-{os.getpid()}"
+    checkpoints.save_drafter(drafter, temp)
+    os.replace(temp, final)
+    return final
 
 
 def run_config(run_dir: str):
@@ -191,7 +217,8 @@ def evaluate(drafter, target, prompts, max_new_tokens: int, stops: list[int], de
 def run(args) -> dict:
     run_dir = os.path.abspath(args.run_dir)
     config = run_config(run_dir)
-    checkpoint = resolve_checkpoint(run_dir, args.checkpoint)
+    untrained = args.checkpoint == "init"
+    checkpoint = None if untrained else resolve_checkpoint(run_dir, args.checkpoint)
     device = args.device or config.devices.target.split(",")[0].strip()
     dtype = target_model.DTYPES[config.target.dtype]
     target_path = resolve_path(config.target.path)
@@ -200,6 +227,8 @@ def run(args) -> dict:
         raise EvalError("no prompts: the run's config has no data.heldout; give --prompts JSONL")
 
     tokenizer, target = target_model.load_target(target_path, device, config.target.dtype)
+    if untrained:
+        checkpoint = initial_checkpoint(run_dir, config, tokenizer, target_path)
     drafter = load_drafter(checkpoint, device, dtype)
     prompts = prompt_ids(tokenizer, prompts_path, args.num_prompts, resolve_path(config.data.train),
                          log=lambda line: print(line, flush=True))
@@ -209,7 +238,8 @@ def run(args) -> dict:
     measured = evaluate(drafter, target, prompts, args.max_new_tokens,
                         target_model.stop_token_ids(tokenizer, target), device)
     name = os.path.basename(checkpoint)
-    step = int(name[5:]) if name.startswith("step-") and name[5:].isdigit() else None
+    step = 0 if untrained else int(name[5:]) if name.startswith("step-") and name[5:].isdigit() \
+        else None
     record = {"kind": "dflash_eval", "time": time.time(), "run_dir": run_dir,
               "checkpoint": checkpoint, "step": step, "target": target_path, "device": device,
               "dtype": config.target.dtype, "prompts": len(prompts), "prompts_file": prompts_path,
@@ -224,7 +254,8 @@ def run(args) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", required=True, help="the training run's directory")
-    parser.add_argument("--checkpoint", default="latest", help="latest, step-N, or a directory")
+    parser.add_argument("--checkpoint", default="latest",
+                        help="latest, step-N, init (the untrained drafter) or a directory")
     parser.add_argument("--prompts", help="chat JSONL (default: the run's data.heldout)")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)

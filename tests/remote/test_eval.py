@@ -12,11 +12,10 @@ from __future__ import annotations
 import json
 import os
 
-import checkpoints
-import dflash_model as dm
 import eval_dflash
 import pytest
 import regenerate_data as rd
+import target_model
 import torch
 from conftest import REMOTE, run_script, tiny_args
 
@@ -66,14 +65,9 @@ def pipeline(tmp_path_factory):
         f"train.max_steps={STEPS}", "train.eval_every=1000", "train.eval_batches=1"))
     assert done.returncode == 0, done.stderr[-3000:]
 
-    # An untrained drafter of the same shape: the baseline acceptance is measured against.
     with open(os.path.join(run, "checkpoints", "latest")) as f:
         trained = os.path.join(run, "checkpoints", f.read().strip())
-    from transformers import Qwen3Config
-    torch.manual_seed(1)
-    untrained = str(root / "untrained")
-    checkpoints.save_drafter(dm.DFlashDrafter(Qwen3Config.from_pretrained(trained)), untrained)
-    return {"target": target, "run": run, "trained": trained, "untrained": untrained, **data}
+    return {"target": target, "run": run, "trained": trained, **data}
 
 
 def evaluate(pipeline, *args):
@@ -107,9 +101,28 @@ def test_eval_is_lossless_and_the_trained_drafter_accepts_more_than_one_token(pi
 
 
 def test_trained_drafter_beats_an_untrained_one(pipeline, trained_eval):
-    done = evaluate(pipeline, "--checkpoint", pipeline["untrained"], "--no-write")
+    """`--checkpoint init`: the drafter the run's config initialises, before any step, kept as
+    RUN/untrained (written once) in the dflash layout."""
+    done = evaluate(pipeline, "--checkpoint", "init", "--no-write")
     assert done.returncode == 0, done.stderr[-2000:]
     untrained = result_of(done)
+    kept = os.path.join(pipeline["run"], "untrained")
+    assert untrained["checkpoint"] == kept and untrained["step"] == 0
+    from safetensors.torch import load_file
+    init = load_file(os.path.join(kept, "model.safetensors"))
+    trained = load_file(os.path.join(pipeline["trained"], "model.safetensors"))
+    assert init.keys() == trained.keys()
+    assert any(not torch.equal(init[k], trained[k]) for k in init)
+    # the run's seeded initialisation: the drafter training builds first
+    import training
+    from train_config import load_config
+    config = load_config(os.path.join(pipeline["run"], "config.yaml"))
+    target_config = target_model.load_target_config(pipeline["target"])
+    with open(os.path.join(pipeline["trained"], "config.json")) as f:
+        mask_token_id = json.load(f)["dflash_config"]["mask_token_id"]
+    template = training.build_drafter_template(config, target_config, mask_token_id,
+                                               training.target_layer_ids(config, target_config))
+    assert all(torch.equal(init[k], v.detach()) for k, v in template.state_dict().items())
     print(f"acceptance: untrained {untrained['acceptance_length']:.2f}, "
           f"trained {trained_eval['acceptance_length']:.2f}")
     assert untrained["lossless"] is True  # a bad drafter costs speed, never correctness

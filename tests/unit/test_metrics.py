@@ -205,6 +205,18 @@ def test_eval_argv_exact(inv):
         "--prompts=/d/p q.jsonl", "--num-prompts=4", "--max-new-tokens=32", "--device=cpu"]
 
 
+@pytest.mark.parametrize("checkpoint,needed", [
+    ("latest", ("/root/runs/tiny/checkpoints", "d")),
+    ("step-20", ("/root/runs/tiny/checkpoints/step-20/config.json", "f")),
+    ("init", ("/root/runs/tiny/config.yaml", "f")),  # the script builds the untrained drafter
+    ("/x/ckpt", ("/x/ckpt/config.json", "f")),
+])
+def test_eval_needs_the_run_and_its_checkpoint(inv, checkpoint, needed):
+    run_need, checkpoint_need = evaluate.eval_needs(inv.container(200), "tiny", checkpoint, None)
+    assert (run_need.path, run_need.test) == ("/root/runs/tiny", "d")
+    assert (checkpoint_need.path, checkpoint_need.test) == needed
+
+
 @pytest.mark.parametrize("kwargs,message", [
     ({"run": "../x"}, "run name"), ({"run": "ok", "checkpoint": "--device=x"}, "--checkpoint"),
     ({"run": "ok", "num_prompts": 0}, "--num-prompts"),

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -79,7 +80,12 @@ def initial_checkpoint(run_dir: str, config, tokenizer, target_path: str) -> str
                                               device)
     temp = f"{final}.tmp-{os.getpid()}"
     checkpoints.save_drafter(drafter, temp)
-    os.replace(temp, final)
+    try:
+        os.replace(temp, final)
+    except OSError:  # another evaluation of this run wrote it first: the same seeded weights
+        shutil.rmtree(temp, ignore_errors=True)
+        if not os.path.isfile(os.path.join(final, "config.json")):
+            raise
     return final
 
 

@@ -132,6 +132,26 @@ def test_trained_drafter_beats_an_untrained_one(pipeline, trained_eval):
         assert json.load(f) == trained_eval
 
 
+def test_untrained_drafter_of_two_evaluations_at_once(pipeline, monkeypatch):
+    """Two `--checkpoint init` evaluations of one run (shards of the prompts, say): the one that
+    finds RUN/untrained taken by the other after writing its own copy keeps the other's."""
+    run, target = pipeline["run"], pipeline["target"]
+    config = eval_dflash.run_config(run)
+    tokenizer = target_model.load_tokenizer(target)
+    kept = eval_dflash.initial_checkpoint(run, config, tokenizer, target)
+    written = os.stat(os.path.join(kept, "model.safetensors")).st_mtime_ns
+    real_isfile, checked = os.path.isfile, []
+
+    def not_yet_there(path):  # the second evaluation looked before the first had renamed its copy
+        checked.append(path)
+        return False if len(checked) == 1 else real_isfile(path)
+
+    monkeypatch.setattr(eval_dflash.os.path, "isfile", not_yet_there)
+    assert eval_dflash.initial_checkpoint(run, config, tokenizer, target) == kept
+    assert os.stat(os.path.join(kept, "model.safetensors")).st_mtime_ns == written
+    assert [n for n in os.listdir(run) if n.startswith("untrained.tmp")] == []
+
+
 def test_acceptance_counting_equals_dflash_own_stats(pipeline, monkeypatch):
     """Our count (from the target's KV cache) against dflash's return_stats acceptance_lengths.
 

@@ -473,8 +473,8 @@ def run_curves(results, device, smoke, cache_dir, steps, shape_kind="8b", window
     taken on the curves averaged over the seeds step by step (common.curve_gap), and per seed.
     Each finished curve is recorded at once (a killed run keeps the seeds it finished)."""
     curves: dict[str, list[list[float]]] = {}
-    for variant in ("ours", *variants):  # every seed of a variant before the next variant
-        for seed in seeds:
+    for seed in seeds:  # seed by seed: a run cut short keeps whole seeds, every variant of each
+        for variant in ("ours", *variants):
             free(device)
             worker, _, _, config = our_worker(variant, shape_kind, device, smoke, cache_dir,
                                               seed=3 + seed,

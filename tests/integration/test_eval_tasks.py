@@ -64,6 +64,19 @@ def test_eval_writes_eval_json_lossless_with_acceptance_above_one(trained):
     assert trained.status(RUN)["last_eval"]["acceptance_length"] == record["acceptance_length"]
 
 
+def test_eval_of_the_untrained_drafter_is_the_baseline_at_step_0(trained):
+    """`--checkpoint init`: the drafter the run's config initialises, before any step, built in the
+    container once (RUN/untrained) and measured like a checkpoint; its record says step 0."""
+    out = trained.invoke("eval", "--run", RUN, "--checkpoint", "init", "--num-prompts", "2",
+                         "--max-new-tokens", "8", "--json", timeout=600)
+    record = json.loads(out.stdout)
+    assert record["checkpoint"] == f"/root/runs/{RUN}/untrained" and record["step"] == 0
+    assert record["lossless"] is True and record["prompts"] == 2
+    kept = json.loads(trained.run_file(RUN, "untrained/config.json"))
+    trained_config = json.loads(trained.run_file(RUN, "checkpoints/step-20/config.json"))
+    assert kept["dflash_config"] == trained_config["dflash_config"]  # the run's drafter, untrained
+
+
 def test_metrics_table_and_plot(trained, tmp_path):
     png = tmp_path / "run.png"
     out = trained.invoke("metrics", "--run", RUN, "-n", "3", "--plot", str(png)).stdout

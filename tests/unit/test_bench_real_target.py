@@ -1,0 +1,37 @@
+"""bench/bench_real_target.py's sum of eval slices: what one eval_dflash.py over every prompt says."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+
+from bench_real_target import combine  # noqa: E402
+
+
+def record(histogram, tokens, plain_tps, spec_tps, forwards, prompts, lossless=True):
+    steps = sum(histogram)
+    return {"acceptance_histogram": histogram, "new_tokens": tokens, "prompts": prompts,
+            "plain_tokens_per_s": plain_tps, "spec_tokens_per_s": spec_tps, "lossless": lossless,
+            "target_forwards": {"plain": tokens + prompts, "spec": forwards}, "block_size": 4,
+            "step": 3000, "acceptance_length": sum((n + 1) * h for n, h in enumerate(histogram)) / steps}
+
+
+def test_slices_add_up_to_one_evaluation_of_all_their_prompts():
+    # slice 1: steps yielding 1,1,2,4 tokens (8 tokens); slice 2: 3,3,4,4,4 (18 tokens)
+    a = record([2, 1, 0, 1], 8, plain_tps=80.0, spec_tps=160.0, forwards=5, prompts=1)
+    b = record([0, 0, 2, 3], 18, plain_tps=90.0, spec_tps=270.0, forwards=6, prompts=2)
+    row = combine([a, b])
+    assert row["acceptance_histogram"] == [2, 1, 2, 4] and row["verify_steps"] == 9
+    assert row["acceptance_length"] == pytest.approx(26 / 9)  # not the mean of 2.0 and 3.6
+    assert (row["new_tokens"], row["prompts"], row["slices"]) == (26, 3, 2)
+    assert row["tokens_per_target_forward"] == pytest.approx(26 / 11)
+    assert row["speedup"] == pytest.approx((8 / 80 + 18 / 90) / (8 / 160 + 18 / 270))
+    assert row["lossless"] is True and (row["block_size"], row["step"]) == (4, 3000)
+
+
+def test_one_slice_that_changed_an_output_makes_the_whole_not_lossless():
+    a = record([1, 0, 0, 0], 1, 10.0, 10.0, 2, 1)
+    b = record([1, 0, 0, 0], 1, 10.0, 10.0, 2, 1, lossless=False)
+    assert combine([a, b])["lossless"] is False

@@ -133,6 +133,9 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true",
                         help="the tiny target, the shipped synthetic data, a few steps, on CPU")
     args = parser.parse_args()
+    for name in ("gguf", "prompts", "out", "target"):  # the scripts run in remote_scripts/
+        if getattr(args, name):
+            setattr(args, name, os.path.abspath(getattr(args, name)))
     work = os.path.abspath(args.work or os.path.join(args.out, "work"))
     logs = os.path.join(work, "logs")
     os.makedirs(logs, exist_ok=True)

@@ -120,7 +120,7 @@ def main() -> int:
     parser.add_argument("--config", default="configs/smollm2-gpu.yaml")
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--samples", type=int, default=5, help="sampled answers per training prompt")
-    parser.add_argument("--max-new-tokens", type=int, default=192, help="of the training answers")
+    parser.add_argument("--max-new-tokens", type=int, default=192, help="of the regenerated answers")
     parser.add_argument("--regen-batch", type=int, default=2048)
     parser.add_argument("--drafters", default="3,5", help="drafter depths, one run each")
     parser.add_argument("--steps", type=int, default=3000)
@@ -170,7 +170,7 @@ def main() -> int:
     # regenerate: the held-out prompts greedy, the training prompts greedy + samples, at once
     data = {s: os.path.join(work, "data", f"{s}.jsonl") for s in ("train", "heldout")}
     common_regen = [py, "regenerate_data.py", "--target", target, "--device", args.device]
-    jobs.add("regen_heldout", [*common_regen, "--max-new-tokens", str(args.eval_tokens),
+    jobs.add("regen_heldout", [*common_regen, *regen[:2], "--batch-size", "128",
                                *(["--limit", "64"] if args.smoke else []),
                                "--in", prompts["heldout"], "--out", data["heldout"]])
     jobs.add("regen_train", [*common_regen, *regen, "--samples", str(args.samples),

@@ -30,6 +30,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
 
@@ -71,7 +72,7 @@ class Jobs:
 
     def __init__(self, limit: int, deadline: float, log_dir: str):
         self.limit, self.deadline, self.log_dir = limit, deadline, log_dir
-        self.waiting: list[tuple[str, list[str], callable]] = []
+        self.waiting: list[tuple[str, list[str], Callable[[], bool]]] = []
         self.running: dict[str, subprocess.Popen] = {}
         self.ended: dict[str, int] = {}
 

@@ -87,7 +87,7 @@ def eval_needs(ct: Container, run: str, checkpoint: str, prompts: str | None) ->
     if checkpoint == "latest":  # a pointer file, or the highest complete step: the script resolves it
         needed, test, checkpoint_dir = f"{run_dir}/checkpoints", "d", f"{run_dir}/checkpoints"
     elif checkpoint == "init":  # the untrained drafter: the script builds it from the run's config
-        needed, test, checkpoint_dir = f"{run_dir}/config.yaml", "f", run_dir
+        needed, test, checkpoint_dir = f"{run_dir}/config.yaml", "f", f"{run_dir}/config.yaml"
     else:
         checkpoint_dir = checkpoint if "/" in checkpoint else f"{run_dir}/checkpoints/{checkpoint}"
         needed, test = f"{checkpoint_dir}/config.json", "f"

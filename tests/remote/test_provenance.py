@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import provenance
@@ -36,3 +37,27 @@ def test_a_record_names_its_target_and_another_target_is_told_apart(tmp_path, mo
     assert provenance.fingerprint(target)["weights_sha256"] != before["weights_sha256"]
     (tmp_path / "train.jsonl.provenance.json").write_text("{not json")
     assert provenance.answers_not_from(str(data), target) == "train.jsonl: provenance record unreadable"
+
+
+def test_one_checkpoint_saved_by_two_transformers_releases_is_one_target(tmp_path):
+    """convert_gguf.py on two machines: config.json differs in `transformers_version` (and may in
+    key order); answers regenerated on one are this target's on the other. A real setting still
+    tells targets apart, and a record of the file's bytes (written before this rule) still holds."""
+    here = _target(tmp_path / "here", b"w" * 1000,
+                   {"model_type": "llama", "hidden_size": 576, "transformers_version": "5.15.0"})
+    there = _target(tmp_path / "there", b"w" * 1000,
+                    {"transformers_version": "5.17.0", "hidden_size": 576, "model_type": "llama"})
+    data = tmp_path / "train.jsonl"
+    data.write_text("{}\n")
+    provenance.write_record(str(data), here, "/src.jsonl", {}, {"rows": 1})
+    assert provenance.fingerprint(here) == provenance.fingerprint(there)
+    assert provenance.answers_not_from(str(data), there) is None
+    wider = _target(tmp_path / "wider", b"w" * 1000,
+                    {"model_type": "llama", "hidden_size": 640, "transformers_version": "5.15.0"})
+    assert "(config differ" in provenance.answers_not_from(str(data), wider)
+    record = json.load(open(f"{data}.provenance.json"))
+    record["target"]["config_sha256"] = hashlib.sha256(
+        (tmp_path / "here" / "config.json").read_bytes()).hexdigest()
+    (tmp_path / "train.jsonl.provenance.json").write_text(json.dumps(record))
+    assert provenance.answers_not_from(str(data), here) is None
+    assert "(config differ" in provenance.answers_not_from(str(data), there)

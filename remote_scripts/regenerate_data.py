@@ -2,7 +2,7 @@
 
     python regenerate_data.py --target DIR --in DATA --out JSONL [--in DATA --out JSONL ...]
         [--max-new-tokens 256] [--batch-size 32] [--device cpu] [--dtype float32] [--limit N]
-        [--max-bad-fraction 0.05] [--samples K --temperature T --seed S]
+        [--max-bad-fraction 0.05] [--samples K --temperature T --seed S] [--self-prompts N]
 
 A drafter is scored by how often it predicts what the target says, so it must be trained on what the
 target says (SpecForge's regenerate_train_data.py does the same). Turn by turn: each assistant turn
@@ -11,11 +11,16 @@ already regenerated), stopped at the end-of-turn token or after --max-new-tokens
 turns are kept. With --samples K, each row of the first --in/--out pair (the training split) is also
 written K more times (ids `<id>~s1`..`<id>~sK`), each answered turn by turn with tokens drawn at
 --temperature from the target (seeded by --seed): more of the target's own distribution from few
-prompts; the pairs after the first (held-out) stay greedy only. The input is any format chat_formats
-reads (ShareGPT, OpenAI messages, ours; .jsonl, .jsonl.gz, .json, .parquet, a directory of shards;
-malformed rows counted and skipped); the output is our JSONL. Rows keep their id; the output is
-written to a temp file and renamed, so a crash never leaves a half-written dataset. Beside it,
-`<out>.provenance.json` records the target (fingerprint), the settings and the counts: training
+prompts; the pairs after the first (held-out) stay greedy only. With --self-prompts N the first pair
+also gains N user prompts the target writes itself (Magpie: the chat template rendered up to where a
+user's words begin, sampled from there at temperature 1 until the end of the turn), each distinct
+from every prompt of every --in (held-out ones included) and from each other, ids `self-<seed>-<n>`;
+they are then answered like the rest. A small instruction-tuned target given a thousand human
+prompts over-fits them; its own prompts are many more from the same model. The input is any format
+chat_formats reads (ShareGPT, OpenAI messages, ours; .jsonl, .jsonl.gz, .json, .parquet, a directory
+of shards; malformed rows counted and skipped); the output is our JSONL. Rows keep their id; the
+output is written to a temp file and renamed, so a crash never leaves a half-written dataset. Beside
+it, `<out>.provenance.json` records the target (fingerprint), the settings and the counts: training
 checks it (provenance.py). Several --in/--out pairs share one model load (train and held-out
 splits). On one device with a plain decoding loop: right for the tiny pipeline and small sets; for
 millions of rows on a 27B target an inference server (SGLang, vLLM) is the tool.
@@ -33,7 +38,7 @@ import time
 
 import provenance
 import torch
-from chat_formats import DataError, read_dataset
+from chat_formats import DataError, prompt_key, read_dataset
 from target_model import (
     DTYPES,
     TargetLoadError,
@@ -88,6 +93,51 @@ def regenerate(rows: list[dict], tokenizer, model, max_new_tokens: int, batch_si
     return stats
 
 
+SELF_PROMPT_TOKENS = 96        # a prompt still open after this many tokens is dropped
+SELF_PROMPT_TEMPERATURE = 1.0
+
+
+def user_turn_prefix(tokenizer) -> list[int]:
+    """The chat template rendered up to where the first user's words begin (its default system
+    turn included): the target continues it with a user prompt of its own."""
+    marker = "\u2063SELF-PROMPT\u2063"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
+    if marker not in text:
+        raise TargetLoadError("the chat template does not show a user turn's words: no self prompts")
+    return tokenizer(text[:text.index(marker)], add_special_tokens=False)["input_ids"]
+
+
+def self_prompts(tokenizer, model, count: int, batch_size: int, known: list[dict], seed: int,
+                 log=print) -> list[dict]:
+    """`count` user prompts sampled from the target (user_turn_prefix), each new: its prompt_key
+    is in none of `known` rows nor among the others. Rows with an empty assistant turn to
+    answer. Stops early (fewer rows, said in the log) once a whole batch brings nothing new."""
+    stops = stop_token_ids(tokenizer, model)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    prefix = user_turn_prefix(tokenizer)
+    generator = torch.Generator(device=model.device).manual_seed(seed)
+    seen = {prompt_key(row["conversations"]) for row in known}
+    rows: list[dict] = []
+    drawn = 0
+    while len(rows) < count:
+        batch = greedy_generate(model, [prefix] * min(batch_size, 2 * (count - len(rows))),
+                                SELF_PROMPT_TOKENS, stops, pad, SELF_PROMPT_TEMPERATURE, generator)
+        drawn += len(batch)
+        before = len(rows)
+        for answer in batch:
+            if not answer or answer[-1] not in stops or len(rows) == count:
+                continue
+            text = tokenizer.decode(answer[:-1], skip_special_tokens=True).strip()
+            turns = [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
+            if text and (key := prompt_key(turns)) not in seen:
+                seen.add(key)
+                rows.append({"id": f"self-{seed}-{len(rows)}", "conversations": turns})
+        if len(rows) == before:
+            break
+    log(f"self prompts: {len(rows)} new of {drawn} drawn")
+    return rows
+
+
 def sampled_copies(rows: list[dict], samples: int) -> list[dict]:
     """`samples` copies of each row (ids `<id>~s1`..), their turns copied: answered by sampling."""
     return [{"id": f"{row['id']}~s{k}",
@@ -124,17 +174,26 @@ def main() -> int:
                         help="the first pair's rows also K times more, sampled (default 0)")
     parser.add_argument("--temperature", type=float, default=0.8,
                         help="sampling temperature of --samples (default 0.8)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of --samples (default 0)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of --samples and --self-prompts (default 0)")
+    parser.add_argument("--self-prompts", type=int, default=0, metavar="N",
+                        help="the first pair also gains N prompts the target writes (default 0)")
     args = parser.parse_args()
     if len(args.sources) != len(args.outputs):
         parser.error(f"{len(args.sources)} --in but {len(args.outputs)} --out: give them in pairs")
     if args.samples < 0 or (args.samples and args.temperature <= 0):
         parser.error("--samples must be >= 0, and --temperature > 0 with it")
+    if args.self_prompts < 0:
+        parser.error("--self-prompts must be >= 0")
     try:
         inputs = [read_rows(source, args.limit, args.max_bad_fraction,
                             log=lambda line: print(f"read {line}", flush=True))
                   for source in args.sources]
         tokenizer, model = load_target(args.target, args.device, args.dtype)
+        if args.self_prompts:
+            inputs[0] += self_prompts(tokenizer, model, args.self_prompts, args.batch_size,
+                                      [row for rows in inputs for row in rows], args.seed,
+                                      log=lambda line: print(line, flush=True))
     except (DataError, TargetLoadError) as exc:
         print(f"regenerate_data: error: {exc}", file=sys.stderr)
         return 2
@@ -145,6 +204,9 @@ def main() -> int:
         if samples:
             settings.update(decoding="greedy + sampled", samples=samples,
                             temperature=args.temperature, seed=args.seed)
+        if pair == 0 and args.self_prompts:
+            settings.update(self_prompts=args.self_prompts, seed=args.seed,
+                            self_prompt_temperature=SELF_PROMPT_TEMPERATURE)
         started = time.perf_counter()
         stats = regenerate(rows, tokenizer, model, args.max_new_tokens, args.batch_size,
                            log=lambda line: print(line, flush=True))

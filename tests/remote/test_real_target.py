@@ -134,6 +134,54 @@ def test_a_few_training_steps_on_smollm2(smollm2, tmp_path):
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
 
 
+@needs_smollm2
+def test_self_prompts_are_smollm2s_own_new_prompts_answered_like_the_rest(smollm2, tmp_path):
+    """--self-prompts N (Magpie): SmolLM2 continues its chat template from where a user's words
+    begin; each prompt is new (not among the inputs' nor the others), answered by the target, the
+    same for the same seed, and recorded in the provenance."""
+    import chat_formats
+    import regenerate_data as rd
+
+    tokenizer, model = rd.load_target(smollm2, "cpu", "float32")
+    prefix = tokenizer.decode(rd.user_turn_prefix(tokenizer))
+    assert prefix.startswith("<|im_start|>system\n") and prefix.endswith("<|im_start|>user\n")
+    first = rd.self_prompts(tokenizer, model, 3, 6, [], seed=5, log=lambda line: None)
+    assert [r["id"] for r in first] == ["self-5-0", "self-5-1", "self-5-2"]
+    keys = {chat_formats.prompt_key(r["conversations"]) for r in first}
+    assert len(keys) == 3 and all(r["conversations"][0]["content"] for r in first)
+    # the same seed draws the same first batch; those prompts, now known, are never taken again
+    again = rd.self_prompts(tokenizer, model, 3, 6, first, seed=5, log=lambda line: None)
+    assert not keys & {chat_formats.prompt_key(r["conversations"]) for r in again}
+
+    source = os.path.join(DATA, "heldout.jsonl")
+    out = {split: str(tmp_path / f"{split}.jsonl") for split in ("train", "heldout")}
+
+    def regenerate(*extra):
+        done = run_script("regenerate_data.py", "--target", smollm2, "--limit", "2",
+                          "--max-new-tokens", "6", "--batch-size", "8", "--self-prompts", "4",
+                          *extra, "--in", source, "--out", out["train"], "--in", source,
+                          "--out", out["heldout"])
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "self prompts: 4 new of " in done.stdout
+        return rd.read_rows(out["train"]), rd.read_rows(out["heldout"])
+
+    train, heldout = regenerate("--seed", "7")
+    assert [r["id"] for r in train[2:]] == [f"self-7-{n}" for n in range(4)]
+    inputs = {chat_formats.prompt_key(r["conversations"]) for r in train[:2] + heldout}
+    made = [chat_formats.prompt_key(r["conversations"]) for r in train[2:]]
+    assert len(set(made)) == 4 and not inputs & set(made) and len(heldout) == 2
+    for row in train[2:]:  # answered: the target's greedy answer, as regenerate() writes it
+        turns = row["conversations"]
+        answer = rd.greedy_generate(model, [rd.chat_prompt_ids(tokenizer, turns[:1])], 6,
+                                    rd.stop_token_ids(tokenizer, model))[0]
+        answer = answer[:-1] if answer and answer[-1] in rd.stop_token_ids(tokenizer, model) else answer
+        assert turns[1]["content"] == tokenizer.decode(answer, skip_special_tokens=True).strip()
+    settings = json.load(open(out["train"] + ".provenance.json"))["settings"]
+    assert settings["self_prompts"] == 4 and settings["seed"] == 7
+    assert "self_prompts" not in json.load(open(out["heldout"] + ".provenance.json"))["settings"]
+    assert regenerate("--seed", "7")[0] == train  # the seed fixes the prompts and their answers
+
+
 def _gpt2_checkpoint(path, tiny_target: str) -> str:
     import shutil
 

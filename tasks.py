@@ -520,22 +520,31 @@ def plan(t, write=None, config=None, set=None, json=False, ct=None, inventory=No
     "batch_size": "conversations decoded together (default 32)",
     "device": "where the target runs (default: the first target device)",
     "target": "target checkpoint directory in the container (default: paths.model)",
+    "samples": "the first file's rows also K more times, answered by sampling (default 0)",
+    "temperature": "sampling temperature of --samples (default 0.8)",
+    "seed": "seed of --samples and --self-prompts (default 0)",
+    "self_prompts": "the first file also gains N prompts the target writes itself (Magpie), each new "
+                    "to every --src (default 0)",
     "timeout": timeout_help("regenerate")})
 def regenerate(t, src=None, out_dir=None, max_new_tokens=None, limit=None, batch_size=None, device=None,
-               target=None, json=False, ct=None, inventory=None, dry_run=False, timeout=None):
+               target=None, samples=None, temperature=None, seed=None, self_prompts=None, json=False,
+               ct=None, inventory=None, dry_run=False, timeout=None):
     """Rewrite a dataset's assistant turns with the target's own greedy answers, in the container.
 
     A drafter is scored on how often it guesses what the target says, so it should learn from what
     the target says. Runs regenerate_data.py with the target at paths.model: each assistant turn is
     replaced by the target's greedy continuation of the conversation so far. Then train on the
     result, e.g. `invoke train --set data.train=/root/data/train.jsonl --set
-    data.heldout=/root/data/heldout.jsonl` (the paths this task prints).
+    data.heldout=/root/data/heldout.jsonl` (the paths this task prints). A small target given few
+    prompts: --samples K answers each training prompt K more times by sampling, --self-prompts N
+    adds N prompts the target writes itself; the held-out file stays greedy and untouched.
     """
     from dflash_ops import evaluate
 
     return evaluate.regenerate(t, sources=src or (), out_dir=out_dir, max_new_tokens=max_new_tokens,
                                limit=limit, batch_size=batch_size, device=device, target=target,
-                               timeout=timeout)
+                               samples=samples, temperature=temperature, seed=seed,
+                               self_prompts=self_prompts, timeout=timeout)
 
 
 @op_task(help={"run": "run name (default: the latest run); several, comma-separated (a,b), are overlaid",

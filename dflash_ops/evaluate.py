@@ -61,10 +61,18 @@ def _jsonl_name(source: str) -> str:
 def regenerate_argv(ct: Container, sources: Sequence[str] = (), out_dir: str | None = None,
                     max_new_tokens: int | None = None, limit: int | None = None,
                     batch_size: int | None = None, device: str | None = None,
-                    dtype: str | None = None, target: str | None = None) -> tuple[list[str], list[str]]:
+                    dtype: str | None = None, target: str | None = None, samples: int | None = None,
+                    temperature: float | None = None, seed: int | None = None,
+                    self_prompts: int | None = None) -> tuple[list[str], list[str]]:
     """Pure: (argv, output paths). Each source (relative paths: under paths.code; any format the
     payload reads, a directory of shards too) is written to out_dir/<its name>.jsonl; out_dir defaults to
-    `data/` beside paths.runs; target to paths.model."""
+    `data/` beside paths.runs; target to paths.model. samples, temperature, seed and self_prompts
+    apply to the first source (the training split)."""
+    for name, value in (("samples", samples), ("self-prompts", self_prompts)):
+        if value is not None and int(value) < 0:
+            raise UsageError(f"--{name} {value}: must be >= 0")
+    if temperature is not None and not float(temperature) > 0:
+        raise UsageError(f"--temperature {temperature}: must be > 0")
     sources = [s if s.startswith("/") else f"{ct.paths.code}/{s}" for s in (sources or DEFAULT_SOURCES)]
     out_dir = out_dir or posixpath.join(posixpath.dirname(ct.paths.runs.rstrip("/")), "data")
     outputs = [posixpath.join(out_dir, _jsonl_name(s)) for s in sources]
@@ -74,7 +82,9 @@ def regenerate_argv(ct: Container, sources: Sequence[str] = (), out_dir: str | N
     dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
     argv = [ct.venv_python, f"{ct.paths.code}/{REGENERATE_SCRIPT}", f"--target={target or ct.paths.model}",
             f"--device={device}", f"--dtype={dtype}", *_option("max-new-tokens", max_new_tokens),
-            *_option("limit", limit), *_option("batch-size", batch_size)]
+            *_option("limit", limit), *_option("batch-size", batch_size), *_option("samples", samples),
+            *_option("temperature", temperature), *_option("seed", seed),
+            *_option("self-prompts", self_prompts)]
     for source, output in zip(sources, outputs, strict=True):
         argv += [f"--in={source}", f"--out={output}"]
     return argv, outputs

@@ -247,6 +247,18 @@ def test_regenerate_argv_defaults_pair_inputs_with_outputs(inv):
         evaluate.regenerate_argv(inv.container(201), sources=["a/x.jsonl", "b/x.jsonl"])
 
 
+def test_regenerate_argv_passes_samples_and_self_prompts_and_refuses_bad_ones(inv):
+    argv, _ = evaluate.regenerate_argv(inv.container(201), sources=["/x/a.jsonl"], out_dir="/o",
+                                       samples=3, temperature=0.7, seed=4, self_prompts=5000)
+    assert argv[5:] == ["--samples=3", "--temperature=0.7", "--seed=4", "--self-prompts=5000",
+                        "--in=/x/a.jsonl", "--out=/o/a.jsonl"]
+    for kwargs, message in (({"samples": -1}, "--samples -1: must be >= 0"),
+                            ({"self_prompts": -2}, "--self-prompts -2: must be >= 0"),
+                            ({"temperature": 0.0}, "--temperature 0.0: must be > 0")):
+        with pytest.raises(UsageError, match=message):
+            evaluate.regenerate_argv(inv.container(201), **kwargs)
+
+
 def test_result_lines_are_parsed_and_hidden_from_the_person():
     shown = []
     stream = payload.ShowLines(shown.append)

@@ -171,8 +171,11 @@ hosts:
 containers:
   200: {{host: h}}
 """)
+        # SIGINT's default disposition, as a terminal gives it, also when the test runner was started
+        # with SIGINT ignored (a background job without job control): else no KeyboardInterrupt
         p = subprocess.Popen([sys.executable, "-m", "invoke", "status", "--inventory", str(inventory)],
-                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         silent.settimeout(60)
         connection, _ = silent.accept()  # the task is working: it waits for the host's banner
         p.send_signal(signal.SIGINT)

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from signals import sigint_default
 from training_runs import LONG, REPO, deployed  # noqa: F401 (deployed: the module's container)
 from webhook_receiver import SECRET_URL_PARTS, Receiver
 
@@ -242,7 +243,7 @@ def test_ctrl_c_ends_the_watch_cleanly_and_the_run_goes_on(deployed, tmp_path):
     d.train("watched", *LONG)
     watch = subprocess.Popen(watch_argv(d, "watched", "--notify-cmd", f"sh -c 'cat >> {seen}'"), cwd=REPO,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                             preexec_fn=sigint_default)
     try:
         d.wait_for("the watching event", lambda: seen.exists() and seen.read_text())
         watch.send_signal(signal.SIGINT)

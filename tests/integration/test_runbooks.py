@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 from runbooks import Runbook, fix_blocks
+from signals import sigint_default
 from training_runs import CT, LONG, REPO, deployed  # noqa: F401 (deployed: the module's container)
 
 from dflash_ops import transport
@@ -38,7 +39,7 @@ def follow_until_a_step(book: Runbook, line: str) -> None:
     """`invoke logs --follow` of a run that goes on: read up to its first step line, then Ctrl-C (it
     stops following only)."""
     follower = subprocess.Popen(book.argv(line), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                                text=True, preexec_fn=sigint_default)
     try:
         seen = []
         for out in follower.stdout:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from ct_template import seed
+from signals import sigint_default
 from waiting import wait_for
 
 from dflash_ops.errors import ExitStatus
@@ -43,12 +43,9 @@ class Deployed:
         return r
 
     def popen(self, *args) -> subprocess.Popen:
-        # The tests send Ctrl-C (SIGINT) to this process: give it SIGINT's default disposition even
-        # when the test runner was started with SIGINT ignored (a background job without job
-        # control), or Python would never raise KeyboardInterrupt.
+        # The tests send Ctrl-C (SIGINT) to this process
         return subprocess.Popen(self.invoke_argv(*args), cwd=REPO, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True,
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                                stderr=subprocess.STDOUT, text=True, preexec_fn=sigint_default)
 
     def container(self, *argv, check=True) -> subprocess.CompletedProcess:
         """Run argv in the container with the host's pct (observation and fault injection only)."""

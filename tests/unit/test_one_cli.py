@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from signals import sigint_default
 
 import tasks
 from dflash_ops import cli, doctor, fanout, launch
@@ -171,11 +172,9 @@ hosts:
 containers:
   200: {{host: h}}
 """)
-        # SIGINT's default disposition, as a terminal gives it, also when the test runner was started
-        # with SIGINT ignored (a background job without job control): else no KeyboardInterrupt
         p = subprocess.Popen([sys.executable, "-m", "invoke", "status", "--inventory", str(inventory)],
                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                             preexec_fn=sigint_default)
         silent.settimeout(60)
         connection, _ = silent.accept()  # the task is working: it waits for the host's banner
         p.send_signal(signal.SIGINT)

@@ -57,12 +57,17 @@ def read_rows(path: str, limit: int | None = None, max_bad_fraction: float = 0.0
             for row in read_dataset(path, max_bad_fraction, limit=limit, log=log)]
 
 
+def _stops_and_pad(tokenizer, model) -> tuple[list[int], int]:
+    """What greedy_generate takes to end an answer and to pad a batch."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return stop_token_ids(tokenizer, model), pad
+
+
 def regenerate(rows: list[dict], tokenizer, model, max_new_tokens: int, batch_size: int,
                log=print, temperature: float = 0.0, generator=None) -> dict:
     """Replace every assistant turn in `rows` (in place); returns counts for the summary.
     Greedy, or sampled at `temperature` > 0 (target_model.greedy_generate)."""
-    stops = stop_token_ids(tokenizer, model)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    stops, pad = _stops_and_pad(tokenizer, model)
     stats = {"rows": len(rows), "turns": 0, "changed": 0, "truncated": 0, "tokens": 0}
     rounds = max(sum(t["role"] == "assistant" for t in r["conversations"]) for r in rows)
     for round_index in range(rounds):
@@ -112,8 +117,7 @@ def self_prompts(tokenizer, model, count: int, batch_size: int, known: list[dict
     """`count` user prompts sampled from the target (user_turn_prefix), each new: its prompt_key
     is in none of `known` rows nor among the others. Rows with an empty assistant turn to
     answer. Stops early (fewer rows, said in the log) once a whole batch brings nothing new."""
-    stops = stop_token_ids(tokenizer, model)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    stops, pad = _stops_and_pad(tokenizer, model)
     prefix = user_turn_prefix(tokenizer)
     generator = torch.Generator(device=model.device).manual_seed(seed)
     seen = {prompt_key(row["conversations"]) for row in known}

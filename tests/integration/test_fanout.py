@@ -1,9 +1,8 @@
 """Fan-out across containers on several embedded hosts (one sshd each), one of them down."""
 
-import os
-import signal
 
 import pytest
+from signals import sshd_stopped
 
 from dflash_ops import cli, fanout, target
 from dflash_ops.errors import FanOutFailed
@@ -32,7 +31,7 @@ def test_one_row_per_container_in_parallel_across_hosts(sandbox_factory, capsys)
     assert "pve1/200" in table and "pve2/201" in table
 
     # One host down: its row says why, the other host's row is still there, the call fails.
-    os.kill(sb.host("pve2").sshd_pid, signal.SIGTERM)
+    sshd_stopped(sb.host("pve2"))
     target.close_sessions()
     outcomes = fanout.run(target.resolve(sb.inventory, "200,201"), hostname)
     with pytest.raises(FanOutFailed, match="1 of 2 containers failed: pve2/201"):

@@ -63,11 +63,14 @@ class Deployed:
         return r.stdout.decode()
 
     def processes(self) -> list[str]:
-        """Command lines of every process in the container except its init (LXC's init.lxc, whose
-        command line reads `init`), the sleep it runs, and this ps."""
-        out = self.container("ps", "-ww", "-eo", "args", "--no-headers").stdout.splitlines()
+        """Command lines of every live process in the container except its init (LXC's init.lxc,
+        whose command line reads `init`), the sleep it runs, and this ps. A zombie (`<defunct>`) has
+        ended already: it is left out, whenever init gets round to reaping it."""
+        out = self.container("ps", "-ww", "-eo", "stat=,args=").stdout.splitlines()
+        rows = [line.split(None, 1) for line in out if line.strip()]
         ours = ("/usr/bin/sleep infinity", "ps -ww -eo")
-        return [p for p in out if p != "init" and not p.startswith(ours)]
+        return [args for stat, args in (r + [""] if len(r) == 1 else r for r in rows)
+                if not stat.startswith("Z") and args != "init" and not args.startswith(ours)]
 
     def run_file(self, run: str, name: str) -> str:
         return self.container("cat", f"/root/runs/{run}/{name}").stdout

@@ -3,6 +3,7 @@ by the official `dflash` package, with every phase timed.
 
     python bench/bench_real_target.py --gguf FILE --prompts DIR --out DIR --device cuda:0
         [--drafters 3,5] [--steps 3000] [--eval-steps 1000,3000] [--num-prompts 100]
+        [--set KEY=VALUE ...]
     python bench/bench_real_target.py --smoke --out DIR      # the tiny target, seconds, on CPU
 
 The payload's own scripts, in remote_scripts/ (remote_scripts/README.md, "A real target"):
@@ -11,7 +12,8 @@ The payload's own scripts, in remote_scripts/ (remote_scripts/README.md, "A real
 - regenerate: regenerate_data.py, the held-out prompts greedy and the training prompts (with
   `--self-prompts` more that the target writes) greedy plus `--samples` sampled answers, both at
   once;
-- train: one train_dflash.py per drafter depth in `--drafters`, all at once, from `--config`;
+- train: one train_dflash.py per drafter depth in `--drafters`, all at once, from `--config`
+  (each `--set KEY=VALUE` passed on to every run after the bench's own settings);
 - evaluate: eval_dflash.py on the first `--num-prompts` held-out prompts cut into `--shards`
   slices, each slice its own process (plain decoding is one target forward per token, so one
   process leaves the GPU mostly idle): the untrained drafter (`--checkpoint init`) and every depth
@@ -114,6 +116,17 @@ class Jobs:
         return json.loads(lines[-1][len("RESULT "):]) if lines else None
 
 
+def train_args(config: str, target: str, data: dict, run: str, depth: int, device: str,
+               sets: list[str]) -> list[str]:
+    """train_dflash.py's arguments for one drafter depth: the bench's settings, then `sets` (the
+    later --set of a key wins, so the caller's come last)."""
+    settings = [f"target.path={target}", f"data.train={data['train']}",
+                f"data.heldout={data['heldout']}", f"train.run_dir={run}",
+                f"model.num_draft_layers={depth}", f"devices.target={device}",
+                f"devices.drafter={device}", *sets]
+    return ["--config", config, *[a for s in settings for a in ("--set", s)]]
+
+
 def regenerate(jobs: Jobs, command: list[str], regen: list[str], prompts: dict, data: dict,
                args) -> bool:
     """The held-out prompts greedy and the training prompts greedy + samples, at once."""
@@ -146,6 +159,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--drafters", default="3,5", help="drafter depths, one run each")
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--eval-steps", default="1000,3000")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config setting for every training run, after the bench's own "
+                             "(e.g. model.target_layer_ids=[1,7,14,20,27]); repeatable")
     parser.add_argument("--num-prompts", type=int, default=100)
     parser.add_argument("--eval-tokens", type=int, default=128)
     parser.add_argument("--shards", type=int, default=4)
@@ -219,12 +235,8 @@ def main() -> int:
     # train every depth at once; evaluate each checkpoint as soon as it exists
     runs = {d: os.path.join(work, "runs", f"layers{d}") for d in depths}
     for depth, run in runs.items():
-        jobs.add(f"train_layers{depth}", [
-            py, "train_dflash.py", "--config", config, "--set", f"target.path={target}",
-            "--set", f"data.train={data['train']}", "--set", f"data.heldout={data['heldout']}",
-            "--set", f"train.run_dir={run}", "--set", f"model.num_draft_layers={depth}",
-            "--set", f"devices.target={args.device}", "--set", f"devices.drafter={args.device}",
-            *[a for s in train_sets for a in ("--set", s)]])
+        jobs.add(f"train_layers{depth}", [py, "train_dflash.py", *train_args(
+            config, target, data, run, depth, args.device, train_sets + args.sets)])
     evals = {("init", depths[0]): os.path.join(runs[depths[0]], "config.yaml")}
     evals.update({(f"step-{s}", d): os.path.join(runs[d], "checkpoints", f"step-{s}", "config.json")
                   for d in depths for s in eval_steps})
@@ -251,7 +263,7 @@ def main() -> int:
             table.append(row)
     report = {"phases": {k: round(v, 1) for k, v in phases.items()}, "finished": finished,
               "exits": jobs.ended, "table": table, "device": args.device, "smoke": args.smoke,
-              "data": data_dir}
+              "data": data_dir, "sets": args.sets}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "real_target.json"), "w") as f:
         json.dump(report, f, indent=1)

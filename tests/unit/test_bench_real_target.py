@@ -35,3 +35,18 @@ def test_one_slice_that_changed_an_output_makes_the_whole_not_lossless():
     a = record([1, 0, 0, 0], 1, 10.0, 10.0, 2, 1)
     b = record([1, 0, 0, 0], 1, 10.0, 10.0, 2, 1, lossless=False)
     assert combine([a, b])["lossless"] is False
+
+
+def test_a_set_given_to_the_bench_reaches_every_run_and_wins_over_the_benchs_own():
+    from bench_real_target import REMOTE, train_args
+    sys.path.insert(0, REMOTE)
+    from train_config import cli_parser, config_from_args
+
+    data = {"train": "/d/train.jsonl", "heldout": "/d/heldout.jsonl"}
+    argv = train_args(os.path.join(REMOTE, "configs", "tiny-cpu.yaml"), "/t", data, "/runs/layers2", 2, "cpu",
+                      ["train.max_steps=30", "model.target_layer_ids=[0, 1]",
+                       "model.num_draft_layers=1"])
+    config = config_from_args(cli_parser("train").parse_args(argv))
+    assert config.model.target_layer_ids == [0, 1] and config.model.num_draft_layers == 1
+    assert (config.train.max_steps, config.train.run_dir) == (30, "/runs/layers2")
+    assert (config.data.train, config.target.path) == ("/d/train.jsonl", "/t")

@@ -125,7 +125,7 @@ class _LMHeadCE(torch.autograd.Function):
 
 
 def lm_head_loss(hidden, lm_head_weight, labels, valid, gamma: float, chunk: int | None = None,
-                 fp8=None):
+                 fp8=None, runs: bool = False):
     """Same result as dflash_model.dflash_loss(draft_logits(hidden, W, N, bs), labels, valid, gamma).
 
     hidden [B, Q, H]; labels, valid [B, N, bs]; the LM head weight must be frozen. `fp8`: the
@@ -141,7 +141,7 @@ def lm_head_loss(hidden, lm_head_weight, labels, valid, gamma: float, chunk: int
     flat = hidden.reshape(-1, hidden.shape[-1])
     loss, argmax = _LMHeadCE.apply(flat, lm_head_weight, labels.flatten(), token_weights, chunk,
                                    fp8)
-    return loss, objective.prediction_stats(argmax.view_as(labels), labels, valid)
+    return loss, objective.prediction_stats(argmax.view_as(labels), labels, valid, runs)
 
 
 def adamw(params, fused: bool = True, **kwargs) -> torch.optim.AdamW:

@@ -36,6 +36,49 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int,
     return anchors.gather(1, order), keep.gather(1, order)
 
 
+def every_anchor(loss_mask: torch.Tensor, num_anchors: int):
+    """Every position sample_anchors could draw, in chunks of `num_anchors` columns (the training's
+    shape): [(anchors [B, N], keep [B, N]), ...], each row's positions in order, padded as
+    sample_anchors pads (keep=False blocks at anchor 0)."""
+    batch, seq_len = loss_mask.shape
+    valid = loss_mask[:, : seq_len - 1] > 0.5
+    columns = torch.arange(seq_len - 1, device=loss_mask.device).expand(batch, -1)
+    order = torch.where(valid, columns, torch.full_like(columns, seq_len)).sort(dim=1).values
+    chunks = []
+    for start in range(0, int(valid.sum(dim=1).max()), num_anchors):
+        picked = order[:, start:start + num_anchors]
+        if picked.shape[1] < num_anchors:
+            picked = torch.cat([picked, torch.full((batch, num_anchors - picked.shape[1]), seq_len,
+                                                   dtype=picked.dtype, device=picked.device)], dim=1)
+        keep = picked < seq_len
+        chunks.append((torch.where(keep, picked, torch.zeros_like(picked)), keep))
+    return chunks
+
+
+def decode_walk(runs: torch.Tensor, loss_mask: torch.Tensor) -> tuple[int, int]:
+    """Greedy speculative decoding of each row's first answer (its first run of loss_mask 1: what
+    eval_dflash.py decodes), given the run of the block anchored at every position (runs [B, S]):
+    (tokens, verification steps).
+
+    As dflash_generate does on a lossless target: the answer's first token comes from the
+    prefill; a step anchored at a yields its accepted slots plus the target's own token, at most
+    up to the answer's last token (the stop token), and the next step is anchored where it ended.
+    tokens / steps is the acceptance length decoding measures. The teacher-forced average over
+    random anchors weighs every position alike; decoding spends more steps where the drafter
+    misses, so on text with easy and hard stretches the walk is lower."""
+    tokens = steps = 0
+    for row_runs, row_mask in zip(runs.tolist(), (loss_mask > 0.5).tolist(), strict=True):
+        if True not in row_mask:
+            continue
+        anchor = last = row_mask.index(True)
+        while last + 1 < len(row_mask) and row_mask[last + 1]:
+            last += 1
+        while anchor < last:
+            produced = min(max(row_runs[anchor], 0) + 1, last - anchor)
+            tokens, steps, anchor = tokens + produced, steps + 1, anchor + produced
+    return tokens, steps
+
+
 def block_inputs(input_ids, anchors, keep, block_size: int, mask_token_id: int):
     """Noise token ids [B, N*bs] (anchor token, then MASK) and position ids [B, S + N*bs]."""
     batch, seq_len = input_ids.shape
@@ -72,7 +115,7 @@ def block_labels(input_ids, loss_mask, anchors, keep, block_size: int):
     return labels, valid.float()
 
 
-def dflash_loss(logits, labels, valid, gamma: float):
+def dflash_loss(logits, labels, valid, gamma: float, runs: bool = False):
     """Decay-weighted CE, normalised by the weight sum; per-slot accuracy; acceptance length.
 
     logits [B, N, bs, V]; labels, valid [B, N, bs]. Acceptance length tau is the expected number
@@ -83,12 +126,13 @@ def dflash_loss(logits, labels, valid, gamma: float):
     weights = valid * slot_weights(block_size, gamma, logits.device)
     ce = F.cross_entropy(logits.flatten(0, 2).float(), labels.flatten(), reduction="none")
     loss = (ce.view_as(weights) * weights).sum() / weights.sum().clamp(min=1e-6)
-    return loss, prediction_stats(logits.detach().argmax(-1), labels, valid)
+    return loss, prediction_stats(logits.detach().argmax(-1), labels, valid, runs)
 
 
 @torch.no_grad()
-def prediction_stats(predicted, labels, valid) -> dict:
-    """Per-slot correct/count sums and the acceptance run of each real block ([B, N, bs] each)."""
+def prediction_stats(predicted, labels, valid, runs: bool = False) -> dict:
+    """Per-slot correct/count sums and the acceptance run of each real block ([B, N, bs] each);
+    with `runs`, also every block's run (the held-out evaluation's decode_walk)."""
     correct = (predicted == labels) & (valid > 0)
     real_blocks = valid[:, :, 1] > 0
     run = correct[:, :, 1:].long().cumprod(dim=-1).sum(dim=-1).float()
@@ -97,6 +141,7 @@ def prediction_stats(predicted, labels, valid) -> dict:
         "slot_count": valid.sum(dim=(0, 1))[1:].tolist(),
         "accept_sum": float((1 + run)[real_blocks].sum()),
         "blocks": int(real_blocks.sum()),
+        **({"runs": run.long().tolist()} if runs else {}),  # [B][N], for decode_walk
     }
 
 

@@ -102,7 +102,7 @@ def train(args) -> int:
     devices = target_devices + drafter_devices
     first_step = step + 1  # always logged: the launch waits for this line (dflash_ops.remote.runs.STEP)
     if step == 0 and eval_batches:
-        evaluate(workers[0], eval_batches, metrics, step)
+        evaluate(workers[0], eval_batches, drafters, metrics, step)
     while step < stop_step and not stop.requested:
         step += 1
         batches, sampler_state = feed.next(step)
@@ -118,7 +118,7 @@ def train(args) -> int:
                       devices)
             window, window_start = [], time.perf_counter()
         if eval_batches and (step % config.train.eval_every == 0 or step == stop_step):
-            evaluate(workers[0], eval_batches, metrics, step)
+            evaluate(workers[0], eval_batches, drafters, metrics, step)
         if step % config.train.save_every == 0 or step == stop_step:
             save(run_dir, step, workers, sampler_state, config, node, metrics)
     feed.close()
@@ -215,13 +215,17 @@ def load_target(config, path: str, devices: list[str], run_dir: str) -> Target:
 
 
 def make_eval_batches(config, target, drafters, heldout_examples) -> list:
-    """Full held-out batches only: a smaller last batch is a shape the warm-up never compiled."""
+    """Full held-out batches only: a smaller last batch is a shape the warm-up never compiled.
+    Each batch (random anchors: the teacher-forced figures) with its examples' WalkSet (every
+    anchor: the decode walk), on the same features."""
     size = config.train.batch_size
     count = min(len(heldout_examples) // size, config.train.eval_batches)
-    batches = [training.worker_batch(config, target, drafters, drafters.workers[0],
-                                     heldout_examples[i * size:(i + 1) * size],
-                                     training.anchor_generator(config.train.seed, -1, i))
-               for i in range(count)]
+    batches = []
+    for i in range(count):
+        examples = heldout_examples[i * size:(i + 1) * size]
+        batch = training.worker_batch(config, target, drafters, drafters.workers[0], examples,
+                                      training.anchor_generator(config.train.seed, -1, i))
+        batches.append((batch, training.walk_set(examples, config, batch)))
     if heldout_examples and not batches:
         raise DataError(f"held-out set has {len(heldout_examples)} usable conversations, fewer "
                         f"than one batch ({size})")
@@ -270,17 +274,24 @@ def log_train(metrics, step, stop_step, window, seconds, lr, devices) -> None:
              record["tokens_per_s"], lr, record["memory_gib"])
 
 
-def evaluate(worker, batches, metrics, step) -> None:
-    results = [worker.evaluate(b) for b in batches]
+def evaluate(worker, batches, drafters, metrics, step) -> None:
+    """The held-out figures: loss, slot accuracy and acceptance teacher-forced at random anchors,
+    and the acceptance of greedy decoding walked over the same answers (training.held_out_walk)."""
+    results = [worker.evaluate(b) for b, _ in batches]
     stats = objective.merge_stats([s for _, s in results])
+    walks = [training.held_out_walk(worker, w, drafters.mask_token_id, drafters.build_mask)
+             for _, w in batches]
+    tokens, steps = sum(t for t, _ in walks), sum(s for _, s in walks)
     record = {"kind": "eval", "step": step,
               "loss": sum(loss for loss, _ in results) / len(results),
               "slot_accuracy": objective.slot_accuracy(stats),
-              "acceptance_length": objective.acceptance_length(stats), "time": time.time()}
+              "acceptance_length": objective.acceptance_length(stats),
+              "decode_acceptance": tokens / steps if steps else None, "time": time.time()}
     write_metrics(metrics, record)
-    log.info("eval step %d | held-out loss %.4f | teacher-forced tau %.2f | acc[1:5] %s", step,
-             record["loss"],
-             record["acceptance_length"], " ".join(f"{a:.2f}" for a in record["slot_accuracy"][:4]))
+    log.info("eval step %d | held-out loss %.4f | teacher-forced tau %.2f | decode-walk tau %s | "
+             "acc[1:5] %s", step, record["loss"], record["acceptance_length"],
+             "-" if steps == 0 else f"{record['decode_acceptance']:.2f}",
+             " ".join(f"{a:.2f}" for a in record["slot_accuracy"][:4]))
 
 
 def main() -> int:

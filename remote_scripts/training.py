@@ -150,18 +150,54 @@ def anchor_generator(seed: int, step: int, worker: int) -> torch.Generator:
 
 def prepare_batch(examples, config: Config, target, device: str, mask_token_id: int,
                   build_mask, generator: torch.Generator, replica: int = 0) -> Batch:
-    block_size, max_length = config.model.block_size, config.data.max_length
-    input_ids, attention, loss_mask = collate(examples, max_length, pad_id=0)
+    input_ids, attention, loss_mask = collate(examples, config.data.max_length, pad_id=0)
     anchors, keep = objective.sample_anchors(loss_mask, config.data.num_anchors, generator)
+    target_hidden = target.context_features(input_ids, attention, device, replica)
+    return anchored_batch(config, input_ids, loss_mask, anchors, keep, target_hidden, device,
+                          mask_token_id, build_mask, int(attention.sum()))
+
+
+def anchored_batch(config: Config, input_ids, loss_mask, anchors, keep, target_hidden,
+                   device: str, mask_token_id: int, build_mask, tokens: int = 0) -> Batch:
+    """The blocks at `anchors` ([B, N], `keep` marking the real ones) over features already made."""
+    block_size, max_length = config.model.block_size, config.data.max_length
     noise_ids, position_ids = objective.block_inputs(input_ids, anchors, keep, block_size, mask_token_id)
     labels, valid = objective.block_labels(input_ids, loss_mask, anchors, keep, block_size)
-    target_hidden = target.context_features(input_ids, attention, device, replica)
     anchors, keep = anchors.to(device), keep.to(device)
     return Batch(target_hidden=target_hidden, noise_ids=noise_ids.to(device),
                  position_ids=position_ids.to(device),
                  mask=build_mask(anchors, keep, max_length, block_size),
                  labels=labels.to(device), valid=valid.to(device),
-                 num_blocks=anchors.shape[1], tokens=int(attention.sum()))
+                 num_blocks=anchors.shape[1], tokens=tokens)
+
+
+@dataclass
+class WalkSet:
+    """Held-out conversations with their features, for decode_walk: every anchor, evaluated in
+    chunks of the training's shape (objective.every_anchor) when the evaluation runs."""
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    target_hidden: torch.Tensor
+
+
+def walk_set(examples, config: Config, batch: Batch) -> WalkSet:
+    """`examples` for decode_walk, with the features `batch` (a batch of the same examples)
+    already holds."""
+    input_ids, _, loss_mask = collate(examples, config.data.max_length, pad_id=0)
+    return WalkSet(input_ids, loss_mask, batch.target_hidden)
+
+
+def held_out_walk(worker, walk: WalkSet, mask_token_id: int, build_mask) -> tuple[int, int]:
+    """(tokens, steps) of greedy speculative decoding over `walk`'s answers with `worker`'s
+    drafter (objective.decode_walk): the run of a block at every anchor, then the walk."""
+    runs = torch.full(walk.loss_mask.shape, -1, dtype=torch.long)
+    for anchors, keep in objective.every_anchor(walk.loss_mask, worker.config.data.num_anchors):
+        batch = anchored_batch(worker.config, walk.input_ids, walk.loss_mask, anchors, keep,
+                               walk.target_hidden, worker.device, mask_token_id, build_mask)
+        _, stats = worker.evaluate(batch, runs=True)
+        rows, columns = keep.nonzero(as_tuple=True)
+        runs[rows, anchors[rows, columns]] = torch.tensor(stats["runs"])[rows, columns]
+    return objective.decode_walk(runs, walk.loss_mask)
 
 
 def worker_batch(config: Config, target, drafters, worker, examples,
@@ -210,7 +246,7 @@ class DrafterWorker:
             return contextlib.nullcontext()
         return torch.autocast(torch.device(self.device).type, dtype=dtype)
 
-    def loss(self, batch: Batch):
+    def loss(self, batch: Batch, runs: bool = False):
         with self._autocast():
             noise = F.embedding(batch.noise_ids, self.embed_weight)
             hidden = self.drafter(batch.target_hidden, noise, batch.position_ids, batch.mask,
@@ -218,9 +254,10 @@ class DrafterWorker:
             if not self.config.train.fast_paths:  # the reference path: [B*N*bs, V] logits
                 logits = objective.draft_logits(hidden, self.head_weight, batch.num_blocks,
                                          self.config.model.block_size)
-                return objective.dflash_loss(logits, batch.labels, batch.valid, self.config.model.gamma)
+                return objective.dflash_loss(logits, batch.labels, batch.valid,
+                                             self.config.model.gamma, runs)
         return fast_paths.lm_head_loss(hidden, self.head_weight, batch.labels, batch.valid,
-                                       self.config.model.gamma, fp8=self.fp8_head)
+                                       self.config.model.gamma, fp8=self.fp8_head, runs=runs)
 
     def forward_backward(self, batch: Batch) -> tuple[float, dict]:
         """Training forward + backward (grad enabled); gradients left in .grad."""
@@ -239,10 +276,10 @@ class DrafterWorker:
         self.scheduler.step()
 
     @torch.no_grad()
-    def evaluate(self, batch: Batch) -> tuple[float, dict]:
+    def evaluate(self, batch: Batch, runs: bool = False) -> tuple[float, dict]:
         self.drafter.eval()
         try:
-            loss, stats = self.loss(batch)
+            loss, stats = self.loss(batch, runs)
         finally:
             self.drafter.train()
         return loss.item(), stats

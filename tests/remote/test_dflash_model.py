@@ -165,6 +165,47 @@ def test_acceptance_length_counts_the_run_of_correct_slots():
     assert objective.acceptance_length(stats) == pytest.approx((4 + 1) / 2)
 
 
+def test_the_runs_the_decode_walk_reads_are_each_blocks_run_when_asked_for():
+    labels = torch.tensor([[[0, 1, 2, 3], [0, 1, 2, 3]]])
+    valid = torch.tensor([[[0.0, 1, 1, 1], [0.0, 1, 1, 1]]])
+    logits = torch.full((1, 2, BLOCK, 4), -5.0)
+    for slot, token in enumerate([0, 1, 2, 3]):
+        logits[0, 0, slot, token] = 5.0
+    logits[0, 1, 1, 1] = logits[0, 1, 2, 0] = 5.0  # block 1: slot 1 right, slot 2 wrong
+    _, stats = objective.dflash_loss(logits, labels, valid, gamma=7.0, runs=True)
+    assert stats["runs"] == [[3, 1]]
+    assert "runs" not in objective.dflash_loss(logits, labels, valid, gamma=7.0)[1]
+
+
+def test_every_anchor_takes_each_position_sample_anchors_could_draw_once_in_fixed_chunks():
+    loss_mask = torch.zeros(3, 20)
+    loss_mask[0, 5:15] = 1
+    loss_mask[1, 2:4] = 1
+    loss_mask[1, 9:20] = 1  # two answers; the last position anchors nothing
+    chunks = objective.every_anchor(loss_mask, 4)
+    assert len(chunks) == 3 and all(a.shape == k.shape == (3, 4) for a, k in chunks)
+    taken = [[int(a) for chunk_a, chunk_k in chunks for a, k in zip(chunk_a[row], chunk_k[row],
+                                                                     strict=True) if k]
+             for row in range(3)]
+    assert taken == [list(range(5, 15)), [2, 3, *range(9, 19)], []]
+    assert all(int(a) == 0 for chunk_a, chunk_k in chunks for a in chunk_a[~chunk_k])
+
+
+def test_decode_walk_steps_through_the_first_answer_as_dflash_generate_does():
+    loss_mask = torch.zeros(2, 16)
+    loss_mask[0, 3:11] = 1   # answer: positions 3 (from the prefill) .. 10 (the stop token)
+    loss_mask[0, 13:16] = 1  # a later turn: not what eval_dflash.py decodes
+    runs = torch.full((2, 16), -1)
+    # anchored at 3: 2 drafts accepted + the target's token -> next at 6; at 6: none -> 7;
+    # at 7: 3 accepted, but the answer ends at 10 -> 3 tokens, the walk is done
+    runs[0, 3], runs[0, 6], runs[0, 7] = 2, 0, 3
+    runs[0, 4] = runs[0, 5] = 7  # never anchors: skipped over
+    assert objective.decode_walk(runs, loss_mask) == (3 + 1 + 3, 3)
+    # a row with no answer adds nothing; an answer of one token takes no step
+    loss_mask[1, 5] = 1
+    assert objective.decode_walk(runs, loss_mask) == (7, 3)
+
+
 def test_anchors_only_on_loss_positions_and_fixed_shape():
     loss_mask = torch.zeros(3, 20)
     loss_mask[0, 5:15] = 1

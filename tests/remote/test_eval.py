@@ -132,6 +132,41 @@ def test_trained_drafter_beats_an_untrained_one(pipeline, trained_eval):
         assert json.load(f) == trained_eval
 
 
+def test_the_trainings_decode_walk_is_what_the_official_decoding_measures(pipeline, tmp_path):
+    """A run's held-out evaluation walks greedy decoding over its first batch's answers (16
+    conversations here, eval_batches=1): dflash_generate on the same 16 prompts takes exactly those
+    steps and yields exactly those tokens. The answers are whole: each ended with the target's
+    own end of turn (not cut at the regeneration's 48 tokens) and fits data.max_length."""
+    from conftest import read_metrics, tiny_args
+    tokenizer = target_model.load_tokenizer(pipeline["target"])
+    whole = []
+    with open(pipeline["heldout"]) as f:
+        for line in f:
+            row = json.loads(line)
+            turns = row["conversations"][:2]
+            text = tokenizer.apply_chat_template(turns, tokenize=False)
+            answer = tokenizer(turns[1]["content"], add_special_tokens=False)["input_ids"]
+            if 0 < len(answer) < 40 and len(tokenizer(text, add_special_tokens=False)["input_ids"]) <= 60:
+                whole.append(json.dumps({**row, "conversations": turns}))
+    heldout = tmp_path / "whole.jsonl"
+    heldout.write_text("\n".join(whole[:16]) + "\n")
+    assert len(whole) >= 16
+    run = str(tmp_path / "run")
+    done = run_script("train_dflash.py", *tiny_args(
+        pipeline["target"], run, f"data.train={pipeline['train']}", f"data.heldout={heldout}",
+        f"train.max_steps={STEPS}", "train.eval_every=1000", "train.eval_batches=1"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    last = read_metrics(run, "eval")[-1]
+    done = run_script("eval_dflash.py", "--run-dir", run, "--num-prompts", "16",
+                      "--max-new-tokens", "48", "--no-write")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    official = result_of(done)
+    assert official["lossless"] is True and official["prompts"] == 16 and last["step"] == STEPS
+    print(f"decode walk {last['decode_acceptance']:.4f}, official {official['acceptance_length']:.4f}, "
+          f"teacher-forced {last['acceptance_length']:.4f}")
+    assert last["decode_acceptance"] == pytest.approx(official["acceptance_length"], rel=1e-12)
+
+
 def test_untrained_drafter_of_two_evaluations_at_once(pipeline, monkeypatch):
     """Two `--checkpoint init` evaluations of one run (shards of the prompts, say): the one that
     finds RUN/untrained taken by the other after writing its own copy keeps the other's."""

@@ -45,6 +45,10 @@ def test_lm_head_loss_without_grad_and_frozen_head_required():
         logits = objective.draft_logits(h, w, *labels.shape[1:])
         ref, ref_stats = objective.dflash_loss(logits, labels, valid, 7.0)
     assert torch.allclose(loss.double(), ref.double(), rtol=1e-6) and stats == ref_stats
+    with torch.no_grad():  # the held-out decode walk's runs: the same from both paths
+        _, stats = fast_paths.lm_head_loss(h, w, labels, valid, 7.0, chunk=8, runs=True)
+        _, ref_stats = objective.dflash_loss(logits, labels, valid, 7.0, runs=True)
+    assert stats == ref_stats and len(stats["runs"]) == labels.shape[0]
     with pytest.raises(ValueError, match="frozen"):
         fast_paths.lm_head_loss(h, w.clone().requires_grad_(True), labels, valid, 7.0)
 

@@ -2,7 +2,8 @@
 
 metrics.jsonl (written by train_dflash.py) holds one JSON object per line, by `kind`:
   train       step, loss, acceptance_length, slot_accuracy [slot 1..bs-1], tokens_per_s, lr, memory_gib
-  eval        step, loss, acceptance_length, slot_accuracy   (teacher-forced, held-out batches)
+  eval        step, loss, acceptance_length, slot_accuracy   (teacher-forced, held-out batches),
+              decode_acceptance (greedy decoding walked over the same answers: what `invoke eval` measures)
   checkpoint  step, path
 evals.jsonl (written by eval_dflash.py) holds the dflash_generate evaluations of checkpoints.
 A resumed run appends to metrics.jsonl from its checkpoint's step on: the table and the plot take each
@@ -324,6 +325,7 @@ def _plot_loss(ax, train, held) -> None:
 def _plot_tau(ax, train, held, evals) -> None:
     _curve(ax, train, "acceptance_length", COLOUR_TRAIN, "train (teacher-forced)")
     _points(ax, held, "acceptance_length", COLOUR_HELD, "held-out (teacher-forced)")
+    _points(ax, held, "decode_acceptance", COLOUR_HELD, "held-out (decode walk)", marker="D")
     if evals:
         steps, values = _series(evals, "acceptance_length")
         ax.scatter(steps, values, marker="*", s=260, color=COLOUR_EVAL, zorder=5,
@@ -466,7 +468,7 @@ def _save(fig, path: str) -> str:
 
 TB_SUFFIX = ".dflash-ops"
 TB_SCALARS = (("train", "train", ("loss", "acceptance_length", "tokens_per_s", "lr", "memory_gib")),
-              ("eval", "heldout", ("loss", "acceptance_length")),
+              ("eval", "heldout", ("loss", "acceptance_length", "decode_acceptance")),
               ("dflash_evals", "dflash_eval", ("acceptance_length", "tokens_per_target_forward", "speedup")))
 
 

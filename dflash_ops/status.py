@@ -61,6 +61,7 @@ class RunStatus:
     lr: float | None = None
     eval_loss: float | None = None
     eval_step: int | None = None    # the last held-out evaluation's step
+    eval_decode_acceptance: float | None = None  # its decode walk: the acceptance greedy decoding has
     slot_accuracy: list | None = None  # the last train metric's per-slot accuracy (slots 1..bs-1)
     checkpoint_step: int | None = None
     checkpoint_age_s: int | None = None
@@ -282,6 +283,7 @@ def _apply_metrics(st: RunStatus, lines: list[str], started: int | None = None, 
     if evaluations:
         st.eval_loss = _num(evaluations[-1].get("loss"))
         st.eval_step = _step(evaluations[-1])
+        st.eval_decode_acceptance = _num(evaluations[-1].get("decode_acceptance"))
 
 
 def _spec(value) -> dict | None:
@@ -474,6 +476,9 @@ def view(st: RunStatus, label: str):
     table.add_row("lr", fmt(st.lr, ".3g"))
     if st.eval_loss is not None:
         table.add_row("held-out loss", f"{fmt(st.eval_loss)} (step {fmt(st.eval_step, 'd')})")
+    if st.eval_decode_acceptance is not None:
+        table.add_row("held-out decode acceptance",
+                      f"{fmt(st.eval_decode_acceptance, '.3f')} (step {fmt(st.eval_step, 'd')})")
     table.add_row("checkpoint", describe_checkpoint(st))
     if st.last_eval:
         table.add_row("last dflash eval", escape(describe_eval(st.last_eval)))

@@ -24,6 +24,8 @@ FAMILIES = {
     "dflash_run_step": "last logged training step",
     "dflash_run_loss": "training loss at the last logged step",
     "dflash_run_heldout_loss": "held-out loss at the last evaluation",
+    "dflash_run_heldout_decode_acceptance_length":
+        "acceptance length greedy decoding has on the held-out answers at the last evaluation",
     "dflash_run_acceptance_length": "mean acceptance length (tau) at the last logged step",
     "dflash_run_slot_accuracy": "per-slot draft accuracy at the last logged step (slots 1..block-1)",
     "dflash_run_tokens_per_second": "target tokens per second over all drafter workers",
@@ -68,6 +70,7 @@ def samples(host: str, ct, st: RunStatus | None) -> list[tuple[str, dict, object
     if st.run:
         out += [("dflash_run_step", run, st.step), ("dflash_run_loss", run, st.loss),
                 ("dflash_run_heldout_loss", run, st.eval_loss),
+                ("dflash_run_heldout_decode_acceptance_length", run, st.eval_decode_acceptance),
                 ("dflash_run_acceptance_length", run, st.acceptance_length),
                 ("dflash_run_tokens_per_second", run, st.tokens_per_s),
                 ("dflash_run_idle_seconds", run, st.idle_s),

@@ -54,6 +54,7 @@ def finished(**changes) -> RunStatus:
     st = RunStatus(run="t1", state="finished", detail="exit 0", pid=82, uptime_s=35, idle_s=44, step=30,
                    loss=4.75,
                    acceptance_length=1.5, tokens_per_s=4905.5, lr=0.005, eval_loss=4.5, eval_step=30,
+                   eval_decode_acceptance=1.25,
                    slot_accuracy=[0.5, 0.25, 0.125], checkpoint_step=30, checkpoint_age_s=45,
                    last_eval={"step": 30, "acceptance_length": 2.25, "speedup": 1.75, "lossless": True},
                    exit_code="0", free_runs=50 * GIB, free_shm=8 * GIB,
@@ -166,6 +167,7 @@ def test_prometheus_text_of_a_finished_run_parses_with_names_types_and_values():
             and value("dflash_run_state", state="running") == 0)
     assert value("dflash_run_step") == 30 and value("dflash_run_loss") == 4.75
     assert value("dflash_run_heldout_loss") == 4.5 and value("dflash_run_acceptance_length") == 1.5
+    assert value("dflash_run_heldout_decode_acceptance_length") == 1.25
     assert [value("dflash_run_slot_accuracy", slot=str(i)) for i in (1, 2, 3)] == [0.5, 0.25, 0.125]
     assert value("dflash_run_tokens_per_second") == 4905.5
     assert value("dflash_run_checkpoint_step") == 30 and value("dflash_run_checkpoint_age_seconds") == 45

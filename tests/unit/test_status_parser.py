@@ -29,7 +29,7 @@ mtime_log 1795953966
 mtime_metrics 1795953965
 metric {"kind": "train", "step": 25, "loss": 8.3215, "acceptance_length": 1.07, "tokens_per_s": 2716.2, "lr": 0.005, "memory_gib": 0.56, "time": 1795953963.1}
 metric {"kind": "train", "step": 30, "loss": 4.777572218577067, "slot_accuracy": [0.13, 0.14], "acceptance_length": 1.1301128349788434, "tokens_per_s": 4905.897291164022, "lr": 0.004999212664740431, "memory_gib": 0.56, "time": 1795953965.2}
-metric {"kind": "eval", "step": 30, "loss": 4.614003479480743, "slot_accuracy": [0.14], "acceptance_length": 1.14, "time": 1795953965.5}
+metric {"kind": "eval", "step": 30, "loss": 4.614003479480743, "slot_accuracy": [0.14], "acceptance_length": 1.14, "decode_acceptance": 1.09, "time": 1795953965.5}
 metric {"kind": "checkpoint", "step": 30, "path": "/root/runs/t1/checkpoints/step-30", "replica_max_abs_diff": 0.0}
 log 12:06:05 INFO checkpoint /root/runs/t1/checkpoints/step-30 (replicas differ by at most 0)
 log dflash-ops: training process 82 ended: exit 0
@@ -123,6 +123,7 @@ def test_finished_run_reports_last_train_metrics_and_duration():
     assert st.tokens_per_s == pytest.approx(4905.897291164022)
     assert st.lr == pytest.approx(0.004999212664740431)
     assert st.eval_loss == pytest.approx(4.614003479480743)
+    assert st.eval_decode_acceptance == pytest.approx(1.09)
     assert (st.duration_s, st.uptime_s) == (1795953966 - 1795953931, None)  # ended: no uptime
     assert st.code_version.startswith("tree c3f5d18a")
     assert st.findings == [] and st.gpus == []

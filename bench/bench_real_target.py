@@ -19,9 +19,10 @@ The payload's own scripts, in remote_scripts/ (remote_scripts/README.md, "A real
   process leaves the GPU mostly idle): the untrained drafter (`--checkpoint init`) and every depth
   at each of `--eval-steps`, each as soon as its checkpoint exists, at most `--jobs` at once.
 Then one table: each drafter's shards summed (acceptance from the summed histograms), beside the
-training's own teacher-forced acceptance at that step. Writes DIR/real_target.json and prints the
-table in markdown. `--prompts DIR` holds data/make_real.py's train.jsonl and heldout.jsonl (made
-where chatterbot-corpus and depresso are installed; a GPU machine without a network has neither).
+training's own held-out figures at that step (teacher-forced, and the decode walk). Writes
+DIR/real_target.json and prints the table in markdown. `--prompts DIR` holds data/make_real.py's
+train.jsonl and heldout.jsonl (made where chatterbot-corpus and depresso are installed; a GPU
+machine without a network has neither).
 `--deadline S` stops what still runs after S seconds and reports what finished. `--data DIR` takes
 the regenerated train.jsonl and heldout.jsonl (with their provenance records) from DIR, made by
 regenerate_data.py elsewhere against the same GGUF, and skips the regeneration phase.
@@ -62,14 +63,15 @@ def combine(records: list[dict]) -> dict:
             "speedup": plain_s / spec_s if spec_s else None}
 
 
-def teacher_forced(metrics_path: str, step: int) -> float | None:
-    """The training's own held-out acceptance (teacher-forced) at `step`, if it evaluated there."""
+def held_out_eval(metrics_path: str, step: int) -> dict:
+    """The training's own held-out evaluation at `step` ({} if it did not evaluate there): its
+    `acceptance_length` (teacher-forced) and `decode_acceptance` (the decode walk)."""
     if not os.path.isfile(metrics_path):
-        return None
+        return {}
     with open(metrics_path) as f:
         records = [json.loads(line) for line in f if line.strip()]
-    found = [r["acceptance_length"] for r in records if r.get("kind") == "eval" and r["step"] == step]
-    return found[-1] if found else None
+    found = [r for r in records if r.get("kind") == "eval" and r["step"] == step]
+    return found[-1] if found else {}
 
 
 class Jobs:
@@ -257,9 +259,10 @@ def main() -> int:
                    if os.path.isfile(jobs.log(f"eval_layers{depth}_{checkpoint}_{i}"))]
         if records and all(records):
             row = combine(records)
+            held = held_out_eval(os.path.join(runs[depth], "metrics.jsonl"), row["step"])
             row.update(drafter=f"{depth} layers", checkpoint=checkpoint,
-                       teacher_forced=teacher_forced(os.path.join(runs[depth], "metrics.jsonl"),
-                                                     row["step"]))
+                       teacher_forced=held.get("acceptance_length"),
+                       decode_walk=held.get("decode_acceptance"))
             table.append(row)
     report = {"phases": {k: round(v, 1) for k, v in phases.items()}, "finished": finished,
               "exits": jobs.ended, "table": table, "device": args.device, "smoke": args.smoke,
@@ -269,13 +272,13 @@ def main() -> int:
         json.dump(report, f, indent=1)
     print(f"phases: {report['phases']}; finished: {finished}")
     print("| drafter | step | prompts | block | lossless | acceptance (official dflash) "
-          "| teacher-forced | tokens/forward | speedup |")
-    print("|---|---:|---:|---:|---|---:|---:|---:|---:|")
+          "| teacher-forced | decode walk | tokens/forward | speedup |")
+    print("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|")
     for r in table:
-        tf = "-" if r["teacher_forced"] is None else f"{r['teacher_forced']:.2f}"
+        tf, walk = ("-" if r[k] is None else f"{r[k]:.2f}" for k in ("teacher_forced", "decode_walk"))
         speedup = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
         print(f"| {r['drafter']} | {r['step']} | {r['prompts']} | {r['block_size']} | "
-              f"{'yes' if r['lossless'] else 'NO'} | {r['acceptance_length']:.2f} | {tf} | "
+              f"{'yes' if r['lossless'] else 'NO'} | {r['acceptance_length']:.2f} | {tf} | {walk} | "
               f"{r['tokens_per_target_forward']:.2f} | {speedup} |")
     return 0 if finished and table else 1
 

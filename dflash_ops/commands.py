@@ -87,8 +87,8 @@ SESSION_SCRIPT = "; ".join([
     """trap 'h=1; t=1; kill -TERM "-$c" 2>/dev/null' HUP TERM""",
     'exec 3<&0 </dev/null',
     'setsid "$@" 3<&- & c=$!',
-    """setsid sh -c 'cat >/dev/null; kill -TERM "-$1"; sleep 5; kill -KILL "-$1"' dflash-watch "$c" """
-    '<&3 3<&- >/dev/null 2>&1 & w=$!',
+    """setsid sh -c 'while read -r _; do :; done; kill -TERM "-$1"; sleep 5; kill -KILL "-$1"' """
+    'dflash-watch "$c" <&3 3<&- >/dev/null 2>&1 & w=$!',
     'exec 3<&-',
     '[ -z "$i$h" ] || kill -TERM "$c"',
     # A trapped signal cuts `wait` short (status 128+signal) and leaves the job to wait for again: $t
@@ -97,7 +97,11 @@ SESSION_SCRIPT = "; ".join([
     't=; wait "$c"; s=$?',
     'while [ "$s" -gt 128 ] && [ -n "$t" ]; do t=; wait "$c"; r=$?; [ "$r" = 127 ] && break; s=$r; done',
     # The watcher by pid too: it may not have made its own group yet when a quick command ends.
-    'kill -KILL "$w" 2>/dev/null; kill -KILL "-$w" 2>/dev/null; kill -KILL "-$c" 2>/dev/null',
+    # Then reaped: SIGKILL is delivered, not awaited, and a watcher killed but not yet gone was
+    # still in the container's process list after its task had returned. It is one process (the
+    # shell's own `read`, no `cat`), so once it is reaped nothing of the session is left.
+    'kill -KILL "$w" 2>/dev/null; kill -KILL "-$w" 2>/dev/null; wait "$w" 2>/dev/null',
+    'kill -KILL "-$c" 2>/dev/null',
     'exit "${i:-$s}"',
 ])
 

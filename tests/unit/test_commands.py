@@ -4,6 +4,7 @@ import os
 import shlex
 import signal
 import subprocess
+import sys
 import time
 import uuid
 
@@ -186,10 +187,45 @@ def test_a_quick_command_leaves_no_watcher_behind():
     mark = uuid.uuid4().hex
     p = tied("exit 0", env={**os.environ, "DFLASH_TEST_MARK": mark})
     assert p.wait(timeout=60) == 0
-    # With the session's stdin still open: a watcher left behind would wait on it for good. The one
-    # the session killed may take a moment to go on a busy machine (SIGKILL is delivered, not awaited).
+    # With the session's stdin still open: a watcher left behind would wait on it for good. (The
+    # session reaps the one it killed before it exits: test_when_the_session_ends_its_watcher_is_gone.)
     until(lambda: not watchers_marked(mark), "the watcher outlived its quick command")
     p.stdin.close()
+
+
+# Runs the session script as the child of a subreaper (PR_SET_CHILD_SUBREAPER), so that whatever
+# the script leaves behind when it exits, a process or a zombie no one reaped, becomes the
+# subreaper's child, where it can be counted; then reaps it.
+SUBREAPER = r"""
+import ctypes, os, subprocess, sys
+ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+p = subprocess.Popen(["sh", "-c", sys.argv[1], "dflash-session", "sh", "-c", "exit 0"],
+                     stdin=subprocess.PIPE)
+code = p.wait()
+left = []
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        continue
+    if int(fields[1]) == os.getpid():  # PPid
+        left.append(f"{pid} {fields[0]}")
+print(code, len(left), *left)
+p.stdin.close()
+for _ in left:
+    os.wait()
+"""
+
+
+def test_when_the_session_ends_its_watcher_is_gone_not_just_signalled():
+    """The session script exits only once its watcher is reaped: on a busy machine a task's
+    watcher, killed but not yet gone (or gone but not yet reaped by init), was still in the
+    container's process list when the next command looked (test_jobs: two launches at once)."""
+    out = subprocess.run([sys.executable, "-c", SUBREAPER, commands.SESSION_SCRIPT],
+                         capture_output=True, text=True, timeout=60)
+    code, count, *left = out.stdout.split()
+    assert (code, count) == ("0", "0"), f"left behind (pid state): {left}; {out.stderr[-2000:]}"
 
 
 def test_ctrl_c_and_a_hang_up_end_the_command():

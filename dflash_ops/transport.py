@@ -192,6 +192,9 @@ def classify_become_failure(host: Host, result: Result, pty: bool = False):
     return None
 
 
+CLOSE_JOIN_S = 5.0  # a bound on a half-open connection's thread ending, not a timing
+
+
 class HostSession:
     """Commands to one host over one lazily opened SSH connection, reused for the whole invocation;
     or, without a pty, through the master that shares a connection between invocations (`mux`) when
@@ -247,7 +250,7 @@ class HostSession:
 
         where = f"{host.name} ({host.address}:{host.port})"
         try:
-            conn.open()
+            self._open_half(conn)
         except paramiko.BadHostKeyException as exc:
             raise HostKeyChanged(
                 f"host key of {where} CHANGED: it offers {fingerprint(exc.key)}, {host.known_hosts} "
@@ -267,6 +270,20 @@ class HostSession:
         except (OSError, EOFError, paramiko.ssh_exception.NoValidConnectionsError) as exc:
             reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
             raise HostUnreachable(f"cannot reach {where}: {reason}") from None
+
+    @staticmethod
+    def _open_half(conn: Connection) -> None:
+        """conn.open(), and if it fails or is interrupted (Ctrl-C), the half-open connection closed:
+        its transport thread, waiting for a banner that may never come, would outlive the failure:
+        at an interrupted task's exit it was still running, and one such exit died of SIGSEGV."""
+        try:
+            conn.open()
+        except BaseException:
+            transport = conn.client.get_transport()
+            conn.client.close()  # Fabric's close() skips a client whose connect did not finish
+            if transport is not None and transport.is_alive():  # closed, its thread ends at its
+                transport.join(CLOSE_JOIN_S)                    # next read (0.1 s): wait for it
+            raise
 
     def connect(self) -> Connection:
         if self._conn is not None and self._conn.is_connected:

@@ -22,10 +22,9 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int,
     Returns anchors [B, N] (long) and keep [B, N] (bool).
     """
     batch, seq_len = loss_mask.shape
-    last_anchor = seq_len - 2  # an anchor needs at least one label after it
-    if not 1 <= num_anchors <= last_anchor + 1:
+    if not 1 <= num_anchors <= seq_len - 1:
         raise ValueError(f"num_anchors={num_anchors} must be in [1, seq_len - 1 = {seq_len - 1}]")
-    valid = loss_mask[:, : last_anchor + 1] > 0.5
+    valid = anchor_positions(loss_mask)
     counts = valid.sum(dim=1)
     scores = torch.rand(valid.shape, generator=generator).to(loss_mask.device)
     scores = torch.where(valid, scores, torch.full_like(scores, 2.0))
@@ -36,12 +35,18 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int,
     return anchors.gather(1, order), keep.gather(1, order)
 
 
+def anchor_positions(loss_mask: torch.Tensor) -> torch.Tensor:
+    """[B, S - 1] bool: where a block may be anchored: a position whose loss_mask is 1, not the
+    last one (an anchor needs at least one label after it)."""
+    return loss_mask[:, : loss_mask.shape[1] - 1] > 0.5
+
+
 def every_anchor(loss_mask: torch.Tensor, num_anchors: int):
     """Every position sample_anchors could draw, in chunks of `num_anchors` columns (the training's
     shape): [(anchors [B, N], keep [B, N]), ...], each row's positions in order, padded as
     sample_anchors pads (keep=False blocks at anchor 0)."""
     batch, seq_len = loss_mask.shape
-    valid = loss_mask[:, : seq_len - 1] > 0.5
+    valid = anchor_positions(loss_mask)
     columns = torch.arange(seq_len - 1, device=loss_mask.device).expand(batch, -1)
     order = torch.where(valid, columns, torch.full_like(columns, seq_len)).sort(dim=1).values
     chunks = []

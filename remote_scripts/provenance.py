@@ -87,16 +87,27 @@ def write_record(out_path: str, target_path: str, source: str, settings: dict, c
     return path
 
 
-def answers_not_from(data_path: str, target_path: str, target_print: dict | None = None) -> str | None:
-    """None when data_path's record names this target; else why not, in a few words."""
+def read_record(data_path: str) -> dict:
+    """data_path's record; ValueError (why, in a few words) when it is missing or unreadable."""
     try:
         with open(record_path(data_path)) as f:
             record = json.load(f)
-        recorded = record["target"]
+        if not isinstance(record["target"], dict) or not isinstance(record["settings"], dict):
+            raise TypeError
+        return record
     except FileNotFoundError:
-        return f"{os.path.basename(data_path)}: no provenance record, not from `invoke regenerate`"
+        raise ValueError(f"{os.path.basename(data_path)}: no provenance record, not from "
+                         "`invoke regenerate`") from None
     except (OSError, ValueError, KeyError, TypeError):
-        return f"{os.path.basename(data_path)}: provenance record unreadable"
+        raise ValueError(f"{os.path.basename(data_path)}: provenance record unreadable") from None
+
+
+def answers_not_from(data_path: str, target_path: str, target_print: dict | None = None) -> str | None:
+    """None when data_path's record names this target; else why not, in a few words."""
+    try:
+        recorded = read_record(data_path)["target"]
+    except ValueError as exc:
+        return str(exc)
     current = target_print or fingerprint(target_path)
     for key, what in (("weights_sha256", "weights"), ("config_sha256", "config")):
         if recorded.get(key) != current[key] and not (

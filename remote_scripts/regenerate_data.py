@@ -3,6 +3,7 @@
     python regenerate_data.py --target DIR --in DATA --out JSONL [--in DATA --out JSONL ...]
         [--max-new-tokens 256] [--batch-size 32] [--device cpu] [--dtype float32] [--limit N]
         [--max-bad-fraction 0.05] [--samples K --temperature T --seed S] [--self-prompts N]
+        [--extend]
 
 A drafter is scored by how often it predicts what the target says, so it must be trained on what the
 target says (SpecForge's regenerate_train_data.py does the same). Turn by turn: each assistant turn
@@ -16,14 +17,19 @@ also gains N user prompts the target writes itself (Magpie: the chat template re
 user's words begin, sampled from there at temperature 1 until the end of the turn), each distinct
 from every prompt of every --in (held-out ones included) and from each other, ids `self-<seed>-<n>`;
 they are then answered like the rest. A small instruction-tuned target given a thousand human
-prompts over-fits them; its own prompts are many more from the same model. The input is any format
-chat_formats reads (ShareGPT, OpenAI messages, ours; .jsonl, .jsonl.gz, .json, .parquet, a directory
-of shards; malformed rows counted and skipped); the output is our JSONL. Rows keep their id; the
-output is written to a temp file and renamed, so a crash never leaves a half-written dataset. Beside
-it, `<out>.provenance.json` records the target (fingerprint), the settings and the counts: training
-checks it (provenance.py). Several --in/--out pairs share one model load (train and held-out
-splits). On one device with a plain decoding loop: right for the tiny pipeline and small sets; for
-millions of rows on a 27B target an inference server (SGLang, vLLM) is the tool.
+prompts over-fits them; its own prompts are many more from the same model. --extend grows a set
+made before instead of remaking it: every --in must be this script's output for this target, with
+the same --max-new-tokens and --dtype (its provenance record says so; else one line and nothing
+written). Its rows are kept as they are and only the new self prompts are answered (a new --seed:
+one already used is refused), and the record adds them to the old one's settings and counts.
+The input is any format chat_formats reads (ShareGPT, OpenAI messages, ours; .jsonl, .jsonl.gz,
+.json, .parquet, a directory of shards; malformed rows counted and skipped); the output is our
+JSONL. Rows keep their id; the output is written to a temp file and renamed, so a crash never leaves
+a half-written dataset. Beside it, `<out>.provenance.json` records the target (fingerprint), the
+settings and the counts: training checks it (provenance.py). Several --in/--out pairs share one
+model load (train and held-out splits). On one device with a plain decoding loop: right for the tiny
+pipeline and small sets; for millions of rows on a 27B target an inference server (SGLang, vLLM) is
+the tool.
 Decoding (`greedy_generate`, the plain decoding eval_dflash.py measures speculative decoding against) is
 target_model.py's.
 """
@@ -69,7 +75,8 @@ def regenerate(rows: list[dict], tokenizer, model, max_new_tokens: int, batch_si
     Greedy, or sampled at `temperature` > 0 (target_model.greedy_generate)."""
     stops, pad = _stops_and_pad(tokenizer, model)
     stats = {"rows": len(rows), "turns": 0, "changed": 0, "truncated": 0, "tokens": 0}
-    rounds = max(sum(t["role"] == "assistant" for t in r["conversations"]) for r in rows)
+    rounds = max((sum(t["role"] == "assistant" for t in r["conversations"]) for r in rows),
+                 default=0)
     for round_index in range(rounds):
         # (row, turn index) of each row's round_index-th assistant turn
         work = []
@@ -149,6 +156,30 @@ def sampled_copies(rows: list[dict], samples: int) -> list[dict]:
             for k in range(1, samples + 1) for row in rows]
 
 
+def extended_record(source: str, rows: list[dict], args) -> dict:
+    """What --extend keeps of an input: {"record": its provenance record, "rows": how many}.
+    DataError in one line unless the record says this target answered it with the same
+    --max-new-tokens and --dtype, or when --seed already made self prompts in it."""
+    name = os.path.basename(source)
+    try:
+        record = provenance.read_record(source)
+    except ValueError as exc:
+        raise DataError(f"--extend: {exc}") from None
+    if reason := provenance.answers_not_from(source, args.target):
+        raise DataError(f"--extend: {reason}")
+    for key, value in (("max_new_tokens", args.max_new_tokens), ("dtype", args.dtype)):
+        if record["settings"].get(key) != value:
+            raise DataError(f"--extend: {name} was answered with {key.replace('_', '-')} "
+                            f"{record['settings'].get(key)}, not {value}")
+    if record["counts"].get("rows") != len(rows):
+        raise DataError(f"--extend: {name} has {len(rows)} rows, its record "
+                        f"{record['counts'].get('rows')}: not the file the record describes")
+    if args.self_prompts and any(row["id"].startswith(f"self-{args.seed}-") for row in rows):
+        raise DataError(f"--extend: {name} has self prompts of --seed {args.seed} already: "
+                        "give another seed")
+    return {"record": record, "rows": len(rows)}
+
+
 def write_rows(rows: list[dict], path: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     temp = f"{path}.tmp-{os.getpid()}"
@@ -182,6 +213,9 @@ def main() -> int:
                         help="seed of --samples and --self-prompts (default 0)")
     parser.add_argument("--self-prompts", type=int, default=0, metavar="N",
                         help="the first pair also gains N prompts the target writes (default 0)")
+    parser.add_argument("--extend", action="store_true",
+                        help="the inputs are this target's answers already: keep them, answer only "
+                             "the new self prompts")
     args = parser.parse_args()
     if len(args.sources) != len(args.outputs):
         parser.error(f"{len(args.sources)} --in but {len(args.outputs)} --out: give them in pairs")
@@ -189,10 +223,14 @@ def main() -> int:
         parser.error("--samples must be >= 0, and --temperature > 0 with it")
     if args.self_prompts < 0:
         parser.error("--self-prompts must be >= 0")
+    if args.extend and (args.samples or args.limit):
+        parser.error("--extend keeps its inputs whole and answered: not with --samples or --limit")
     try:
         inputs = [read_rows(source, args.limit, args.max_bad_fraction,
                             log=lambda line: print(f"read {line}", flush=True))
                   for source in args.sources]
+        kept = [extended_record(source, rows, args) if args.extend else None
+                for source, rows in zip(args.sources, inputs, strict=True)]
         tokenizer, model = load_target(args.target, args.device, args.dtype)
         if args.self_prompts:
             inputs[0] += self_prompts(tokenizer, model, args.self_prompts, args.batch_size,
@@ -212,7 +250,8 @@ def main() -> int:
             settings.update(self_prompts=args.self_prompts, seed=args.seed,
                             self_prompt_temperature=SELF_PROMPT_TEMPERATURE)
         started = time.perf_counter()
-        stats = regenerate(rows, tokenizer, model, args.max_new_tokens, args.batch_size,
+        fresh = rows[kept[pair]["rows"]:] if kept[pair] else rows
+        stats = regenerate(fresh, tokenizer, model, args.max_new_tokens, args.batch_size,
                            log=lambda line: print(line, flush=True))
         if samples:
             generator = torch.Generator(device=model.device).manual_seed(args.seed)
@@ -223,12 +262,21 @@ def main() -> int:
             rows += copies
             for key in ("rows", "turns", "changed", "truncated", "tokens"):
                 stats[key] += sampled[key]
+        counts = {k: stats[k] for k in ("rows", "turns", "changed", "truncated", "tokens")}
+        if kept[pair]:
+            record = kept[pair]["record"]
+            settings = {**record["settings"], "extensions": [
+                *record["settings"].get("extensions", []),
+                {"self_prompts": args.self_prompts if pair == 0 else 0, "seed": args.seed,
+                 "rows": len(fresh), "device": args.device}]}
+            source = record.get("source", source)
+            counts = {k: int(record["counts"].get(k, 0)) + counts[k] for k in counts}
         write_rows(rows, out)
         stats.update(out=out, seconds=round(time.perf_counter() - started, 1))
         stats["provenance"] = provenance.write_record(
-            out, os.path.abspath(args.target), os.path.abspath(source), settings,
-            {k: stats[k] for k in ("rows", "turns", "changed", "truncated", "tokens")})
-        print(f"regenerated {stats['turns']} assistant turns in {stats['rows']} rows "
+            out, os.path.abspath(args.target), os.path.abspath(source), settings, counts)
+        kept_line = f"kept {len(rows) - len(fresh)} rows; " if kept[pair] else ""
+        print(f"{kept_line}regenerated {stats['turns']} assistant turns in {stats['rows']} rows "
               f"({stats['changed']} changed, {stats['truncated']} cut at {args.max_new_tokens} "
               f"tokens) -> {out} in {stats['seconds']} s", flush=True)
         print("RESULT " + json.dumps(stats), flush=True)

@@ -182,6 +182,68 @@ def test_self_prompts_are_smollm2s_own_new_prompts_answered_like_the_rest(smollm
     assert regenerate("--seed", "7")[0] == train  # the seed fixes the prompts and their answers
 
 
+@needs_smollm2
+def test_extend_keeps_the_set_made_before_and_answers_only_new_self_prompts(smollm2, tmp_path):
+    """--extend: a regenerated set grows by new self prompts without being answered again; the
+    record adds them to the old settings and counts. An input this target did not answer with
+    these settings, a file its record does not describe, or a seed already used: one line, exit
+    2, nothing written."""
+    import chat_formats
+    import regenerate_data as rd
+
+    first, second = str(tmp_path / "first.jsonl"), str(tmp_path / "second.jsonl")
+
+    def regenerate(source, out, *extra, tokens="6"):
+        return run_script("regenerate_data.py", "--target", smollm2, "--max-new-tokens", tokens,
+                          "--batch-size", "8", *extra, "--in", source, "--out", out)
+
+    made = regenerate(os.path.join(DATA, "heldout.jsonl"), first, "--limit", "2",
+                      "--self-prompts", "2", "--seed", "3")
+    assert made.returncode == 0, made.stderr[-3000:]
+    grown = regenerate(first, second, "--extend", "--self-prompts", "3", "--seed", "4")
+    assert grown.returncode == 0, grown.stderr[-3000:]
+    assert "kept 4 rows; regenerated 3 assistant turns in 3 rows" in grown.stdout
+    before, after = rd.read_rows(first), rd.read_rows(second)
+    assert after[:4] == before
+    assert [r["id"] for r in after[4:]] == ["self-4-0", "self-4-1", "self-4-2"]
+    keys = [chat_formats.prompt_key(r["conversations"]) for r in after]
+    assert len(set(keys)) == 7
+    tokenizer, model = rd.load_target(smollm2, "cpu", "float32")
+    stops = rd.stop_token_ids(tokenizer, model)
+    for row in after[4:]:  # each new prompt answered greedily, as regenerate() writes it
+        answer = rd.greedy_generate(model, [rd.chat_prompt_ids(tokenizer, row["conversations"][:1])],
+                                    6, stops)[0]
+        answer = answer[:-1] if answer and answer[-1] in stops else answer
+        assert row["conversations"][1]["content"] == tokenizer.decode(
+            answer, skip_special_tokens=True).strip()
+    old, new = (json.load(open(p + ".provenance.json")) for p in (first, second))
+    assert new["source"] == old["source"] and new["target"]["weights_sha256"] == old["target"][
+        "weights_sha256"]
+    assert new["settings"] == {**old["settings"], "extensions": [
+        {"self_prompts": 3, "seed": 4, "rows": 3, "device": "cpu"}]}
+    assert new["counts"]["rows"] == 7 and new["counts"]["turns"] == old["counts"]["turns"] + 3
+
+    edited = str(tmp_path / "edited.jsonl")
+    with open(first) as f, open(edited, "w") as g:
+        g.writelines(f.readlines()[1:])
+    with open(first + ".provenance.json") as f, open(edited + ".provenance.json", "w") as g:
+        g.write(f.read())
+    unrecorded = str(tmp_path / "unrecorded.jsonl")
+    with open(first) as f, open(unrecorded, "w") as g:
+        g.write(f.read())
+    for source, extra, tokens, message in (
+            (first, ("--self-prompts", "1", "--seed", "3"), "6",
+             "first.jsonl has self prompts of --seed 3 already: give another seed"),
+            (first, (), "7", "first.jsonl was answered with max-new-tokens 6, not 7"),
+            (unrecorded, (), "6", "unrecorded.jsonl: no provenance record, not from `invoke regenerate`"),
+            (edited, (), "6", "edited.jsonl has 3 rows, its record 4: not the file the record describes")):
+        out = str(tmp_path / "refused.jsonl")
+        refused = regenerate(source, out, "--extend", *extra, tokens=tokens)
+        assert refused.returncode == 2, refused.stderr[-3000:]
+        assert refused.stderr.splitlines() == [f"regenerate_data: error: --extend: {message}"]
+        assert not os.path.exists(out) and not os.path.exists(out + ".provenance.json")
+
+
 def _gpt2_checkpoint(path, tiny_target: str) -> str:
     import shutil
 

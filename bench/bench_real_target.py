@@ -25,7 +25,9 @@ train.jsonl and heldout.jsonl (made where chatterbot-corpus and depresso are ins
 machine without a network has neither).
 `--deadline S` stops what still runs after S seconds and reports what finished. `--data DIR` takes
 the regenerated train.jsonl and heldout.jsonl (with their provenance records) from DIR, made by
-regenerate_data.py elsewhere against the same GGUF, and skips the regeneration phase.
+regenerate_data.py elsewhere against the same GGUF, and skips the regeneration phase; with
+`--self-prompts N` it grows them instead (regenerate_data.py --extend, `--seed S`, a seed the set
+has not used) into the work directory's data/, answering only the N new prompts.
 """
 
 from __future__ import annotations
@@ -136,10 +138,19 @@ def regenerate(jobs: Jobs, command: list[str], regen: list[str], prompts: dict, 
                                *(["--limit", "64"] if args.smoke else []),
                                "--in", prompts["heldout"], "--out", data["heldout"]])
     jobs.add("regen_train", [*command, *regen, "--samples", str(args.samples),
-                             "--temperature", "0.7", "--seed", "0",
+                             "--temperature", "0.7", "--seed", str(args.seed),
                              "--self-prompts", str(args.self_prompts),
                              "--in", prompts["train"], "--out", data["train"]])
     return jobs.run() and not any(jobs.ended[n] for n in ("regen_heldout", "regen_train"))
+
+
+def extend(jobs: Jobs, command: list[str], regen: list[str], given: dict, data: dict, args) -> bool:
+    """--data grown by --self-prompts new prompts, only those answered (regenerate_data.py
+    --extend); the held-out split passes through, its prompts excluded from the new ones."""
+    jobs.add("regen_extend", [*command, *regen, "--extend", "--self-prompts", str(args.self_prompts),
+                              "--seed", str(args.seed), "--in", given["train"], "--out", data["train"],
+                              "--in", given["heldout"], "--out", data["heldout"]])
+    return jobs.run() and not jobs.ended["regen_extend"]
 
 
 def parse_args() -> argparse.Namespace:
@@ -157,6 +168,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=192, help="of the regenerated answers")
     parser.add_argument("--self-prompts", type=int, default=0,
                         help="training prompts SmolLM2 writes itself, added to --prompts' (Magpie)")
+    parser.add_argument("--seed", type=int, default=0, help="of the self prompts (default 0)")
     parser.add_argument("--regen-batch", type=int, default=2048)
     parser.add_argument("--drafters", default="3,5", help="drafter depths, one run each")
     parser.add_argument("--steps", type=int, default=3000)
@@ -214,17 +226,22 @@ def main() -> int:
     phases["convert_s"] = time.monotonic() - t0
 
     # regenerate: the held-out prompts greedy, the training prompts greedy + samples, at once
-    # (or take them as --data has them)
+    # (or take them as --data has them, or grow --data by --self-prompts)
     os.makedirs(os.path.join(work, "data"), exist_ok=True)
-    data_dir = args.data or os.path.join(work, "data")
+    data_dir = args.data if args.data and not args.self_prompts else os.path.join(work, "data")
     data = {s: os.path.join(data_dir, f"{s}.jsonl") for s in ("train", "heldout")}
-    if not args.data:
+    if data_dir != args.data:
         started = time.monotonic()
-        if not regenerate(jobs, [py, "regenerate_data.py", "--target", target, "--device", args.device],
-                          regen, prompts, data, args):
+        command = [py, "regenerate_data.py", "--target", target, "--device", args.device]
+        if args.data:
+            given = {s: os.path.join(args.data, f"{s}.jsonl") for s in ("train", "heldout")}
+            done, phase = extend(jobs, command, regen, given, data, args), "extend_s"
+        else:
+            done, phase = regenerate(jobs, command, regen, prompts, data, args), "regenerate_s"
+        if not done:
             print("regeneration failed or ran out of time: see " + logs, file=sys.stderr)
             return 1
-        phases["regenerate_s"] = time.monotonic() - started
+        phases[phase] = time.monotonic() - started
     with open(data["heldout"]) as f:
         rows = f.read().splitlines()[: args.num_prompts]
     per = -(-len(rows) // args.shards)

@@ -525,10 +525,12 @@ def plan(t, write=None, config=None, set=None, json=False, ct=None, inventory=No
     "seed": "seed of --samples and --self-prompts (default 0)",
     "self_prompts": "the first file also gains N prompts the target writes itself (Magpie), each new "
                     "to every --src (default 0)",
+    "extend": "the --src files are this target's regenerated output already (their provenance says "
+              "so): keep their rows, answer only the new --self-prompts (a --seed not used before)",
     "timeout": timeout_help("regenerate")})
 def regenerate(t, src=None, out_dir=None, max_new_tokens=None, limit=None, batch_size=None, device=None,
-               target=None, samples=None, temperature=None, seed=None, self_prompts=None, json=False,
-               ct=None, inventory=None, dry_run=False, timeout=None):
+               target=None, samples=None, temperature=None, seed=None, self_prompts=None, extend=False,
+               json=False, ct=None, inventory=None, dry_run=False, timeout=None):
     """Rewrite a dataset's assistant turns with the target's own greedy answers, in the container.
 
     A drafter is scored on how often it guesses what the target says, so it should learn from what
@@ -538,13 +540,14 @@ def regenerate(t, src=None, out_dir=None, max_new_tokens=None, limit=None, batch
     data.heldout=/root/data/heldout.jsonl` (the paths this task prints). A small target given few
     prompts: --samples K answers each training prompt K more times by sampling, --self-prompts N
     adds N prompts the target writes itself; the held-out file stays greedy and untouched.
+    --extend grows files this task wrote before by --self-prompts N more, answering only those.
     """
     from dflash_ops import evaluate
 
     return evaluate.regenerate(t, sources=src or (), out_dir=out_dir, max_new_tokens=max_new_tokens,
                                limit=limit, batch_size=batch_size, device=device, target=target,
                                samples=samples, temperature=temperature, seed=seed,
-                               self_prompts=self_prompts, timeout=timeout)
+                               self_prompts=self_prompts, extend=bool(extend), timeout=timeout)
 
 
 @op_task(help={"run": "run name (default: the latest run); several, comma-separated (a,b), are overlaid",

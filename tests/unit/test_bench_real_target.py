@@ -2,6 +2,7 @@
 
 import os
 import sys
+import time
 
 import pytest
 
@@ -50,3 +51,30 @@ def test_a_set_given_to_the_bench_reaches_every_run_and_wins_over_the_benchs_own
     assert config.model.target_layer_ids == [0, 1] and config.model.num_draft_layers == 1
     assert (config.train.max_steps, config.train.run_dir) == (30, "/runs/layers2")
     assert (config.data.train, config.target.path) == ("/d/train.jsonl", "/t")
+
+
+def test_a_job_stopped_at_its_time_ends_on_sigterm_and_the_job_waiting_for_it_starts_after(tmp_path):
+    """Jobs.stop_at (the bench's --train-for): the job gets SIGTERM once its time has come (as
+    train_dflash.py it writes what it has and exits 0), and a job ready only when it has ended (the
+    eval of `latest`) starts after it and sees what it wrote."""
+    from bench_real_target import Jobs
+
+    mark = tmp_path / "checkpoint"
+    trainer = ("import signal, sys, time\n"
+               "def stop(*_):\n"
+               f"    open({str(mark)!r}, 'w').write('at SIGTERM')\n"
+               "    sys.exit(0)\n"
+               "signal.signal(signal.SIGTERM, stop)\n"
+               f"open({str(mark)!r} + '.started', 'w').close()\n"
+               "time.sleep(120)\n")
+    reader = f"print('eval saw', open({str(mark)!r}).read())"
+    jobs = Jobs(limit=4, deadline=time.monotonic() + 100, log_dir=str(tmp_path))
+    jobs.add("train", [sys.executable, "-c", trainer])
+    jobs.add("eval", [sys.executable, "-c", reader], ready=lambda: "train" in jobs.ended)
+    # SIGTERM before the child has set its handler would kill it (-15): its time comes once it is
+    assert jobs.run(until=lambda j: os.path.exists(f"{mark}.started") or bool(j.ended))
+    assert "train" in jobs.running and "eval" not in jobs.running
+    jobs.stop_at("train", time.monotonic())
+    assert jobs.run()
+    assert jobs.ended == {"train": 0, "eval": 0}
+    assert open(jobs.log("eval")).read() == "eval saw at SIGTERM\n"

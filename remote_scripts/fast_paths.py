@@ -158,8 +158,15 @@ class _StopForward(Exception):
 
 
 @torch.no_grad()
-def target_features(model, input_ids, layer_ids, out_device) -> torch.Tensor:
-    """Same features as target_model.Target.context_features for every real token.
+def moved(tensor: torch.Tensor, device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`tensor` on `device`, cast to `dtype` (if given) first, where it is: fewer bytes to copy."""
+    return (tensor if dtype is None else tensor.to(dtype)).to(device)
+
+
+def target_features(model, input_ids, layer_ids, out_device,
+                    dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Same features as target_model.Target.context_features for every real token (in `dtype`,
+    the target's own if None).
 
     Batches are right-padded (dflash_data.collate), so under the plain causal mask a real token
     sees exactly what it saw with the padding mask; only pad positions differ, and nothing reads
@@ -187,4 +194,4 @@ def target_features(model, input_ids, layer_ids, out_device) -> torch.Tensor:
             handle.remove()
     if last == len(layers) - 1:  # hidden_states[-1] is taken after the final norm
         captured[last] = model.model.norm(captured[last])
-    return torch.cat([captured[i].to(out_device) for i in layer_ids], dim=-1)
+    return torch.cat([moved(captured[i], out_device, dtype) for i in layer_ids], dim=-1)

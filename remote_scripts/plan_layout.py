@@ -67,7 +67,7 @@ def measure(args) -> dict:
     print(f"plan: loading the target ({weights / 2**30:.1f} GiB) on {','.join(measured_on)}",
           flush=True)
     target = Target(path, measured_on, config.target.dtype, layer_ids,
-                    fast_paths=config.train.fast_paths)
+                    fast_paths=config.train.fast_paths, feature_dtype=training.feature_dtype(config))
     drafters = training.build_drafters(config, target, tokenizer, drafter_devices[:1])
     log.info("compile: %s", training.apply_compile(config.compile, config.train.fast_paths,
                                                     target, drafters))

@@ -316,8 +316,10 @@ class Target:
 
     def __init__(self, path: str, devices: list[str], dtype: str,
                  layer_ids: list[int] | None = None, placement: str = "split", fast_paths: bool = True,
-                 feature_cache_bytes: int = 0):
-        self.path, self.fast_paths = path, fast_paths
+                 feature_cache_bytes: int = 0, feature_dtype: torch.dtype | None = None):
+        """feature_dtype: the features' dtype (None: the target's), cast on the target's device
+        before they move (training.feature_dtype: the one the drafter reads them in)."""
+        self.path, self.fast_paths, self.feature_dtype = path, fast_paths, feature_dtype
         self._place(load_causal_lm(path, dtype), devices, layer_ids, placement)
         self.feature_cache = FeatureCache(feature_cache_bytes) if feature_cache_bytes > 0 else None
 
@@ -326,7 +328,7 @@ class Target:
                    placement: str = "split", fast_paths: bool = True) -> Target:
         """A Target around a frozen model already in memory (the benchmarks' random weights)."""
         target = cls.__new__(cls)
-        target.path, target.fast_paths = None, fast_paths
+        target.path, target.fast_paths, target.feature_dtype = None, fast_paths, None
         target._place(model.requires_grad_(False).eval(), devices, layer_ids, placement)
         target.feature_cache = None
         return target
@@ -379,7 +381,7 @@ class Target:
     def _fast_features(self, model, device, input_ids, out_device):
         started = time.perf_counter()
         features = fast_paths.target_features(model, input_ids.to(device), self.layer_ids,
-                                              out_device)
+                                              out_device, self.feature_dtype)
         if self.compiled_layers and not self._first_forward_logged:
             self._first_forward_logged = True  # the compile happens inside the first call
             log.info("target: first forward with %d compiled decoder layers %.1f s",
@@ -392,7 +394,8 @@ class Target:
         model, device = self.replicas[replica], self.replica_devices[replica]
         out = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                     output_hidden_states=True, use_cache=False, logits_to_keep=1)
-        taps = [out.hidden_states[i + 1].to(out_device) for i in self.layer_ids]
+        taps = [fast_paths.moved(out.hidden_states[i + 1], out_device, self.feature_dtype)
+                for i in self.layer_ids]
         return torch.cat(taps, dim=-1)
 
     def compile_layers(self) -> int:
@@ -482,11 +485,13 @@ class ShapeOnlyTarget:
     need not load a 27B checkpoint to fill the compile cache that training then reads.
     """
 
-    def __init__(self, path: str, dtype: str, layer_ids: list[int]):
+    def __init__(self, path: str, dtype: str, layer_ids: list[int],
+                 feature_dtype: torch.dtype | None = None):
         self.path = path
         self.config = load_target_config(path)
         text = getattr(self.config, "text_config", None) or self.config
         self.hidden_size, self.dtype = text.hidden_size, DTYPES[dtype]
+        self.feature_dtype = feature_dtype or self.dtype
         self.layer_ids = layer_ids
         self._weight = torch.empty(text.vocab_size, text.hidden_size, dtype=self.dtype)
         self._weight.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(0))
@@ -505,7 +510,7 @@ class ShapeOnlyTarget:
     def context_features(self, input_ids, attention_mask, out_device, replica: int = 0):
         batch, seq = input_ids.shape
         return torch.randn(batch, seq, len(self.layer_ids) * self.hidden_size,
-                           dtype=self.dtype, device=out_device)
+                           dtype=self.feature_dtype, device=out_device)
 
     def compile_layers(self) -> int:
         return 0  # warmup_compile.py compiles the layer graph with warm_compiled_layers

@@ -208,7 +208,8 @@ def load_target(config, path: str, devices: list[str], run_dir: str) -> Target:
     started = time.perf_counter()
     target = Target(path, devices, config.target.dtype, layer_ids, placement,
                     fast_paths=config.train.fast_paths,
-                    feature_cache_bytes=int(config.target.feature_cache_gib * 2**30))
+                    feature_cache_bytes=int(config.target.feature_cache_gib * 2**30),
+                    feature_dtype=training.feature_dtype(config))
     log.info("target: %d replica(s) loaded in %.1f s", len(target.replicas),
              time.perf_counter() - started)
     return target

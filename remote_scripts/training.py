@@ -289,6 +289,14 @@ def _autocast_dtype(config: Config):
     return {None: None, "bfloat16": torch.bfloat16, "float16": torch.float16}[config.train.autocast]
 
 
+def feature_dtype(config: Config) -> torch.dtype | None:
+    """The dtype the drafter reads the target's features in: under autocast its first layer (fc,
+    a Linear) casts them to the autocast dtype, so features made in that dtype on the target's
+    device change no bit of the training and take half the memory, copies and feature cache of a
+    float32 target's (test_speed). None (the target's own dtype) without autocast."""
+    return _autocast_dtype(config)
+
+
 @torch.no_grad()
 def average_gradients(workers: list[DrafterWorker]) -> None:
     """Every replica gets the mean gradient (same bits everywhere: one sum, copied out)."""

@@ -44,7 +44,8 @@ def warm(args) -> int:
     tokenizer = load_tokenizer(target_path)
     examples = training.one_batch_of_examples(config, tokenizer)
     layer_ids = training.target_layer_ids(config, load_target_config(target_path))
-    target = ShapeOnlyTarget(target_path, config.target.dtype, layer_ids)
+    target = ShapeOnlyTarget(target_path, config.target.dtype, layer_ids,
+                             training.feature_dtype(config))
     drafters = training.build_drafters(config, target, tokenizer, drafter_devices)
     log.info("compile: %s", training.apply_compile(config.compile, config.train.fast_paths,
                                                     target, drafters))

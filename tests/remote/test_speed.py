@@ -187,3 +187,40 @@ def test_a_worker_with_every_switch_on_trains_on_cpu():
     assert any(not torch.equal(a, b) for a, b in zip(before, worker.optimizer.masters, strict=True))
     for p, m in zip(worker.params, worker.optimizer.masters, strict=True):
         assert torch.equal(p.detach(), m.to(p.dtype))
+
+
+@pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
+def test_features_in_the_autocast_dtype_change_no_bit_of_a_step(param_dtype):
+    """training.feature_dtype: under autocast the drafter's first layer (fc) casts the target's
+    float32 features to bfloat16 itself, so features made in bfloat16 give the same loss and the
+    same gradients, bit for bit, at half the memory."""
+    from transformers import Qwen3Config
+
+    config = load_config(TINY, ["train.autocast=bfloat16", f"speed.param_dtype={param_dtype}",
+                                "model.attention=dense", "data.max_length=32",
+                                "data.num_anchors=4", "model.block_size=4"])
+    assert training.feature_dtype(config) == torch.bfloat16
+    assert training.feature_dtype(load_config(TINY, ["train.autocast=null"])) is None
+    target = Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=48,
+                         num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=8)
+    template = training.build_drafter_template(config, target, 127,
+                                               training.target_layer_ids(config, target))
+    g = torch.Generator().manual_seed(0)
+    embed, head = torch.randn(128, 32, generator=g) * 0.1, torch.randn(128, 32, generator=g) * 0.1
+    input_ids = torch.randint(0, 127, (2, 32), generator=g)
+    loss_mask = torch.ones(2, 32)
+    anchors, keep = objective.sample_anchors(loss_mask, 4, g)
+    noise, positions = objective.block_inputs(input_ids, anchors, keep, 4, 127)
+    labels, valid = objective.block_labels(input_ids, loss_mask, anchors, keep, 4)
+    features = torch.randn(2, 32, len(template.target_layer_ids) * 32, generator=g)
+    results = []
+    for made in (features, fast_paths.moved(features, "cpu", training.feature_dtype(config))):
+        worker = training.DrafterWorker(0, "cpu", template, config, embed, head, dm.dense_attention)
+        batch = training.Batch(made, noise, positions, dm.dense_dflash_mask(anchors, keep, 32, 4),
+                               labels, valid, 4, 32)
+        loss, stats = worker.forward_backward(batch)
+        results.append((loss, [p.grad.clone() for p in worker.params], made.element_size()))
+    (loss32, grads32, size32), (loss16, grads16, size16) = results
+    assert loss16 == loss32 and (size32, size16) == (4, 2)
+    assert all(torch.equal(a, b) for a, b in zip(grads32, grads16, strict=True))

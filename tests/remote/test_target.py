@@ -231,3 +231,25 @@ def test_feature_cache_stops_storing_at_its_size(tiny_target):
     assert target.feature_cache.bytes == 12 * 128 * 4  # the first row fits, the second does not
     target.context_features(ids, mask, "cpu")
     assert target.feature_cache.hits == 1 and target.feature_cache.misses == 3
+
+
+def test_features_in_another_dtype_are_cast_before_they_move_and_cached_at_their_size(tiny_target):
+    """Target(feature_dtype=...) (training.feature_dtype: bfloat16 under autocast): the fast path,
+    the reference path and the feature cache give the float32 features rounded once, and the
+    cache holds twice the rows in the same bytes."""
+    plain = Target(tiny_target, ["cpu"], "float32", layer_ids=[0, 2])
+    half = Target(tiny_target, ["cpu"], "float32", layer_ids=[0, 2], feature_dtype=torch.bfloat16,
+                  feature_cache_bytes=2 * 12 * 128 * 2)
+    ids, mask = _padded([12, 12, 7], 12)
+    for made, expected in (
+            (half.context_features(ids, mask, "cpu"),  # through the cache, on the fast path
+             plain.context_features(ids, mask, "cpu").to(torch.bfloat16)),
+            (half.reference_features(ids, mask, "cpu"),  # padding mask, every layer
+             plain.reference_features(ids, mask, "cpu").to(torch.bfloat16))):
+        assert made.dtype == torch.bfloat16
+        for row, n in enumerate([12, 12, 7]):
+            torch.testing.assert_close(made[row, :n], expected[row, :n], rtol=0, atol=0)
+    # 12 tokens x 128 features x 2 bytes a row: both 12-token rows fit where float32 held one
+    assert half.feature_cache.bytes == 2 * 12 * 128 * 2
+    half.context_features(ids, mask, "cpu")
+    assert half.feature_cache.hits == 2

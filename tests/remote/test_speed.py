@@ -3,6 +3,7 @@ parameters with fp32 master weights, the config section, and a worker with the s
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import dflash_model as dm
@@ -142,13 +143,14 @@ def test_speed_section_is_validated_and_recorded():
     assert load_config(TINY).speed.param_dtype == "float32"  # every switch off by default
 
 
-def test_a_worker_with_every_switch_on_trains_on_cpu():
+SMALL = ["model.attention=dense", "data.max_length=32", "data.num_anchors=4", "model.block_size=4"]
+
+
+def _small_drafter(config):
+    """A drafter template over a 6-layer, 32-wide Qwen3 shape, a frozen embedding and head for
+    it, and the generator that drew them (it draws the batch next: _block_batch)."""
     from transformers import Qwen3Config
 
-    config = load_config(TINY, ["train.autocast=bfloat16", "speed.param_dtype=bfloat16",
-                                "speed.fp8_lm_head=true", "speed.compile_layers=true",
-                                "model.attention=dense", "data.max_length=32",
-                                "data.num_anchors=4", "model.block_size=4"])
     target = Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=48,
                          num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
                          head_dim=8)
@@ -156,6 +158,25 @@ def test_a_worker_with_every_switch_on_trains_on_cpu():
                                                training.target_layer_ids(config, target))
     g = torch.Generator().manual_seed(0)
     embed, head = torch.randn(128, 32, generator=g) * 0.1, torch.randn(128, 32, generator=g) * 0.1
+    return template, embed, head, g
+
+
+def _block_batch(template, g, rows: int) -> training.Batch:
+    """`rows` random 32-token rows, 4 blocks of 4 slots each, random float32 features."""
+    input_ids = torch.randint(0, 127, (rows, 32), generator=g)
+    loss_mask = torch.ones(rows, 32)
+    anchors, keep = objective.sample_anchors(loss_mask, 4, g)
+    noise, positions = objective.block_inputs(input_ids, anchors, keep, 4, 127)
+    labels, valid = objective.block_labels(input_ids, loss_mask, anchors, keep, 4)
+    taps = len(template.target_layer_ids)
+    return training.Batch(torch.randn(rows, 32, taps * 32, generator=g), noise, positions,
+                          dm.dense_dflash_mask(anchors, keep, 32, 4), labels, valid, 4, 32)
+
+
+def test_a_worker_with_every_switch_on_trains_on_cpu():
+    config = load_config(TINY, ["train.autocast=bfloat16", "speed.param_dtype=bfloat16",
+                                "speed.fp8_lm_head=true", "speed.compile_layers=true", *SMALL])
+    template, embed, head, g = _small_drafter(config)
     worker = training.DrafterWorker(0, "cpu", template, config, embed, head, dm.dense_attention)
     assert not speed.compile_layers_wanted(config, "cpu")  # CUDA only: eager layers here
     assert speed.compile_layers([worker], None) == 0 and worker.attention is dm.dense_attention
@@ -163,14 +184,7 @@ def test_a_worker_with_every_switch_on_trains_on_cpu():
     for name, p in worker.drafter.named_parameters():  # linear weights bf16, norms fp32
         assert p.dtype == (torch.float32 if "norm" in name else torch.bfloat16), name
     assert worker.drafter.rotary_emb.inv_freq.dtype == torch.float32
-    input_ids = torch.randint(0, 127, (1, 32), generator=g)
-    loss_mask = torch.ones(1, 32)
-    anchors, keep = objective.sample_anchors(loss_mask, 4, g)
-    noise, positions = objective.block_inputs(input_ids, anchors, keep, 4, 127)
-    labels, valid = objective.block_labels(input_ids, loss_mask, anchors, keep, 4)
-    taps = len(template.target_layer_ids)
-    batch = training.Batch(torch.randn(1, 32, taps * 32, generator=g), noise, positions,
-                           dm.dense_dflash_mask(anchors, keep, 32, 4), labels, valid, 4, 32)
+    batch = _block_batch(template, g, 1)
     before = [m.clone() for m in worker.optimizer.masters]
     # the masters start from the template's fp32 values, not from their bf16 rounding (masters
     # on the bf16 grid would not move the model's weights through a warm-up's small updates)
@@ -194,32 +208,17 @@ def test_features_in_the_autocast_dtype_change_no_bit_of_a_step(param_dtype):
     """training.feature_dtype: under autocast the drafter's first layer (fc) casts the target's
     float32 features to bfloat16 itself, so features made in bfloat16 give the same loss and the
     same gradients, bit for bit, at half the memory."""
-    from transformers import Qwen3Config
-
     config = load_config(TINY, ["train.autocast=bfloat16", f"speed.param_dtype={param_dtype}",
-                                "model.attention=dense", "data.max_length=32",
-                                "data.num_anchors=4", "model.block_size=4"])
+                                *SMALL])
     assert training.feature_dtype(config) == torch.bfloat16
     assert training.feature_dtype(load_config(TINY, ["train.autocast=null"])) is None
-    target = Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=48,
-                         num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=8)
-    template = training.build_drafter_template(config, target, 127,
-                                               training.target_layer_ids(config, target))
-    g = torch.Generator().manual_seed(0)
-    embed, head = torch.randn(128, 32, generator=g) * 0.1, torch.randn(128, 32, generator=g) * 0.1
-    input_ids = torch.randint(0, 127, (2, 32), generator=g)
-    loss_mask = torch.ones(2, 32)
-    anchors, keep = objective.sample_anchors(loss_mask, 4, g)
-    noise, positions = objective.block_inputs(input_ids, anchors, keep, 4, 127)
-    labels, valid = objective.block_labels(input_ids, loss_mask, anchors, keep, 4)
-    features = torch.randn(2, 32, len(template.target_layer_ids) * 32, generator=g)
+    template, embed, head, g = _small_drafter(config)
+    batch = _block_batch(template, g, 2)
+    features = batch.target_hidden
     results = []
     for made in (features, fast_paths.moved(features, "cpu", training.feature_dtype(config))):
         worker = training.DrafterWorker(0, "cpu", template, config, embed, head, dm.dense_attention)
-        batch = training.Batch(made, noise, positions, dm.dense_dflash_mask(anchors, keep, 32, 4),
-                               labels, valid, 4, 32)
-        loss, stats = worker.forward_backward(batch)
+        loss, _ = worker.forward_backward(dataclasses.replace(batch, target_hidden=made))
         results.append((loss, [p.grad.clone() for p in worker.params], made.element_size()))
     (loss32, grads32, size32), (loss16, grads16, size16) = results
     assert loss16 == loss32 and (size32, size16) == (4, 2)

@@ -18,10 +18,11 @@ The payload's own scripts, in remote_scripts/ (remote_scripts/README.md, "A real
   slices, each slice its own process (plain decoding is one target forward per token, so one
   process leaves the GPU mostly idle): the untrained drafter (`--checkpoint init`) and every depth
   at each of `--eval-steps`, each as soon as its checkpoint exists, at most `--jobs` at once;
-  `latest` is each run's last checkpoint once the run has ended. With `--train-for S` the runs are
-  stopped S seconds into training (SIGTERM: train_dflash.py checkpoints the step it is at), so a
-  machine lent for a fixed time trains until then and the eval of `latest` runs alone after it:
-  eval processes beside a training take most of the GPU from it (bench/RESULTS.md).
+  `latest` is each run's last checkpoint once the run has ended (the untrained drafter's eval then
+  waits for it too). With `--train-for S` the runs are stopped S seconds into training (SIGTERM:
+  train_dflash.py checkpoints the step it is at), so a machine lent for a fixed time trains until
+  then and the evals run alone after it: eval processes beside a training take most of the GPU
+  from it (bench/RESULTS.md).
 Then one table: each drafter's shards summed (acceptance from the summed histograms), beside the
 training's own held-out figures at that step (teacher-forced, and the decode walk). Writes
 DIR/real_target.json and prints the table in markdown. `--prompts DIR` holds data/make_real.py's
@@ -170,7 +171,9 @@ def add_evals(jobs: Jobs, runs: dict[int, str], eval_steps: list, shards: list[s
               args) -> list[tuple[str, int]]:
     """eval_dflash.py over every prompt slice: the untrained drafter, and each run at each of
     eval_steps (`latest`: its last checkpoint once the run has ended), each slice its own job,
-    started when its checkpoint is there. Returns the (checkpoint, depth) pairs."""
+    started when its checkpoint is there. With `latest` the untrained drafter waits for the end
+    of the first run too: the GPU is the training's until then. Returns the (checkpoint, depth)
+    pairs."""
     def written(path: str) -> Callable[[], bool]:
         return lambda: os.path.isfile(path)
 
@@ -178,7 +181,8 @@ def add_evals(jobs: Jobs, runs: dict[int, str], eval_steps: list, shards: list[s
         return lambda: f"train_layers{depth}" in jobs.ended
 
     first = next(iter(runs))
-    evals = {("init", first): written(os.path.join(runs[first], "config.yaml"))}
+    evals = {("init", first): trained(first) if "latest" in eval_steps else
+             written(os.path.join(runs[first], "config.yaml"))}
     evals.update({("latest" if s == "latest" else f"step-{s}", d): trained(d) if s == "latest" else
                   written(os.path.join(run, "checkpoints", f"step-{s}", "config.json"))
                   for d, run in runs.items() for s in eval_steps})

@@ -157,12 +157,12 @@ class _StopForward(Exception):
     pass
 
 
-@torch.no_grad()
 def moved(tensor: torch.Tensor, device, dtype: torch.dtype | None = None) -> torch.Tensor:
     """`tensor` on `device`, cast to `dtype` (if given) first, where it is: fewer bytes to copy."""
     return (tensor if dtype is None else tensor.to(dtype)).to(device)
 
 
+@torch.no_grad()
 def target_features(model, input_ids, layer_ids, out_device,
                     dtype: torch.dtype | None = None) -> torch.Tensor:
     """Same features as target_model.Target.context_features for every real token (in `dtype`,

@@ -105,6 +105,8 @@ def regenerate(rows: list[dict], tokenizer, model, max_new_tokens: int, batch_si
     return stats
 
 
+COUNTS = ("rows", "turns", "changed", "truncated", "tokens")  # regenerate()'s, in the record
+
 SELF_PROMPT_TOKENS = 96        # a prompt still open after this many tokens is dropped
 SELF_PROMPT_TEMPERATURE = 1.0
 
@@ -260,9 +262,9 @@ def main() -> int:
                                  lambda line: print(f"sampled: {line}", flush=True),
                                  args.temperature, generator)
             rows += copies
-            for key in ("rows", "turns", "changed", "truncated", "tokens"):
+            for key in COUNTS:
                 stats[key] += sampled[key]
-        counts = {k: stats[k] for k in ("rows", "turns", "changed", "truncated", "tokens")}
+        counts = {k: stats[k] for k in COUNTS}
         if kept[pair]:
             record = kept[pair]["record"]
             settings = {**record["settings"], "extensions": [

@@ -134,6 +134,16 @@ def test_a_few_training_steps_on_smollm2(smollm2, tmp_path):
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
 
 
+def _greedy_answer(rd, tokenizer, model, row, tokens: int = 6) -> str:
+    """The target's greedy answer (at most `tokens`) to the row's first user turn, as text without
+    its stop token: what regenerate() should have written."""
+    stops = rd.stop_token_ids(tokenizer, model)
+    answer = rd.greedy_generate(model, [rd.chat_prompt_ids(tokenizer, row["conversations"][:1])],
+                                tokens, stops)[0]
+    answer = answer[:-1] if answer and answer[-1] in stops else answer
+    return tokenizer.decode(answer, skip_special_tokens=True).strip()
+
+
 @needs_smollm2
 def test_self_prompts_are_smollm2s_own_new_prompts_answered_like_the_rest(smollm2, tmp_path):
     """--self-prompts N (Magpie): SmolLM2 continues its chat template from where a user's words
@@ -171,11 +181,7 @@ def test_self_prompts_are_smollm2s_own_new_prompts_answered_like_the_rest(smollm
     made = [chat_formats.prompt_key(r["conversations"]) for r in train[2:]]
     assert len(set(made)) == 4 and not inputs & set(made) and len(heldout) == 2
     for row in train[2:]:  # answered: the target's greedy answer, as regenerate() writes it
-        turns = row["conversations"]
-        answer = rd.greedy_generate(model, [rd.chat_prompt_ids(tokenizer, turns[:1])], 6,
-                                    rd.stop_token_ids(tokenizer, model))[0]
-        answer = answer[:-1] if answer and answer[-1] in rd.stop_token_ids(tokenizer, model) else answer
-        assert turns[1]["content"] == tokenizer.decode(answer, skip_special_tokens=True).strip()
+        assert row["conversations"][1]["content"] == _greedy_answer(rd, tokenizer, model, row)
     settings = json.load(open(out["train"] + ".provenance.json"))["settings"]
     assert settings["self_prompts"] == 4 and settings["seed"] == 7
     assert "self_prompts" not in json.load(open(out["heldout"] + ".provenance.json"))["settings"]
@@ -209,13 +215,8 @@ def test_extend_keeps_the_set_made_before_and_answers_only_new_self_prompts(smol
     keys = [chat_formats.prompt_key(r["conversations"]) for r in after]
     assert len(set(keys)) == 7
     tokenizer, model = rd.load_target(smollm2, "cpu", "float32")
-    stops = rd.stop_token_ids(tokenizer, model)
     for row in after[4:]:  # each new prompt answered greedily, as regenerate() writes it
-        answer = rd.greedy_generate(model, [rd.chat_prompt_ids(tokenizer, row["conversations"][:1])],
-                                    6, stops)[0]
-        answer = answer[:-1] if answer and answer[-1] in stops else answer
-        assert row["conversations"][1]["content"] == tokenizer.decode(
-            answer, skip_special_tokens=True).strip()
+        assert row["conversations"][1]["content"] == _greedy_answer(rd, tokenizer, model, row)
     old, new = (json.load(open(p + ".provenance.json")) for p in (first, second))
     assert new["source"] == old["source"] and new["target"]["weights_sha256"] == old["target"][
         "weights_sha256"]

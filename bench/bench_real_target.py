@@ -181,18 +181,40 @@ def add_evals(jobs: Jobs, runs: dict[int, str], eval_steps: list, shards: list[s
         return lambda: f"train_layers{depth}" in jobs.ended
 
     first = next(iter(runs))
-    evals = {("init", first): trained(first) if "latest" in eval_steps else
-             written(os.path.join(runs[first], "config.yaml"))}
-    evals.update({("latest" if s == "latest" else f"step-{s}", d): trained(d) if s == "latest" else
-                  written(os.path.join(run, "checkpoints", f"step-{s}", "config.json"))
-                  for d, run in runs.items() for s in eval_steps})
-    for (checkpoint, depth), ready in evals.items():
+    untrained = {("init", first): trained(first) if "latest" in eval_steps else
+                 written(os.path.join(runs[first], "config.yaml"))}
+    evals = {("latest" if s == "latest" else f"step-{s}", d): trained(d) if s == "latest" else
+             written(os.path.join(run, "checkpoints", f"step-{s}", "config.json"))
+             for d, run in runs.items() for s in eval_steps}
+    # with `latest` the untrained drafter is ready when the trained one is: it queues last, so
+    # that a deadline cuts its evaluation rather than the trained run's
+    queue = {**evals, **untrained} if "latest" in eval_steps else {**untrained, **evals}
+    for (checkpoint, depth), ready in queue.items():
         for i, shard in enumerate(shards):
             jobs.add(f"eval_layers{depth}_{checkpoint}_{i}", [
                 sys.executable, "eval_dflash.py", "--run-dir", runs[depth], "--checkpoint",
                 checkpoint, "--prompts", shard, "--num-prompts", str(per), "--max-new-tokens",
                 str(args.eval_tokens), "--device", args.device, "--no-write"], ready=ready)
-    return list(evals)
+    return [*untrained, *evals]
+
+
+def eval_table(jobs: Jobs, evals: list[tuple[str, int]], slices: int, runs: dict[int, str]) -> list[dict]:
+    """One row per evaluated checkpoint: its slices' results summed (combine), with the
+    training's own held-out figures at that step. A checkpoint whose slices did not all finish
+    (the deadline) still gets a row over those that did, with `slices` saying how many."""
+    table = []
+    for checkpoint, depth in evals:
+        records = [jobs.result(f"eval_layers{depth}_{checkpoint}_{i}") for i in range(slices)
+                   if os.path.isfile(jobs.log(f"eval_layers{depth}_{checkpoint}_{i}"))]
+        records = [r for r in records if r]
+        if records:
+            row = combine(records)
+            held = held_out_eval(os.path.join(runs[depth], "metrics.jsonl"), row["step"])
+            row.update(drafter=f"{depth} layers", checkpoint=checkpoint, of_slices=slices,
+                       teacher_forced=held.get("acceptance_length"),
+                       decode_walk=held.get("decode_acceptance"))
+            table.append(row)
+    return table
 
 
 def parse_args() -> argparse.Namespace:
@@ -311,17 +333,7 @@ def main() -> int:
     finished = jobs.run()
     phases["train_and_evaluate_s"] = time.monotonic() - started
 
-    table = []
-    for checkpoint, depth in evals:
-        records = [jobs.result(f"eval_layers{depth}_{checkpoint}_{i}") for i in range(len(shards))
-                   if os.path.isfile(jobs.log(f"eval_layers{depth}_{checkpoint}_{i}"))]
-        if records and all(records):
-            row = combine(records)
-            held = held_out_eval(os.path.join(runs[depth], "metrics.jsonl"), row["step"])
-            row.update(drafter=f"{depth} layers", checkpoint=checkpoint,
-                       teacher_forced=held.get("acceptance_length"),
-                       decode_walk=held.get("decode_acceptance"))
-            table.append(row)
+    table = eval_table(jobs, evals, len(shards), runs)
     report = {"phases": {k: round(v, 1) for k, v in phases.items()}, "finished": finished,
               "exits": jobs.ended, "table": table, "device": args.device, "smoke": args.smoke,
               "data": data_dir, "sets": args.sets}
@@ -335,7 +347,9 @@ def main() -> int:
     for r in table:
         tf, walk = ("-" if r[k] is None else f"{r[k]:.2f}" for k in ("teacher_forced", "decode_walk"))
         speedup = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
-        print(f"| {r['drafter']} | {r['step']} | {r['prompts']} | {r['block_size']} | "
+        prompts = f"{r['prompts']}" + ("" if r["slices"] == r["of_slices"] else
+                                        f" ({r['slices']} of {r['of_slices']} slices)")
+        print(f"| {r['drafter']} | {r['step']} | {prompts} | {r['block_size']} | "
               f"{'yes' if r['lossless'] else 'NO'} | {r['acceptance_length']:.2f} | {tf} | {walk} | "
               f"{r['tokens_per_target_forward']:.2f} | {speedup} |")
     return 0 if finished and table else 1

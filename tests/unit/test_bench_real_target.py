@@ -78,3 +78,46 @@ def test_a_job_stopped_at_its_time_ends_on_sigterm_and_the_job_waiting_for_it_st
     assert jobs.run()
     assert jobs.ended == {"train": 0, "eval": 0}
     assert open(jobs.log("eval")).read() == "eval saw at SIGTERM\n"
+
+
+def _eval_args():
+    import argparse
+    return argparse.Namespace(eval_tokens=16, device="cpu")
+
+
+def test_with_latest_the_trained_drafter_is_evaluated_before_the_untrained_one(tmp_path):
+    """Both wait for the run's end, and the bench's deadline cuts what starts last: that must be
+    the untrained drafter, not the figure the run is for."""
+    from bench_real_target import Jobs, add_evals
+
+    jobs = Jobs(limit=4, deadline=time.monotonic() + 100, log_dir=str(tmp_path))
+    evals = add_evals(jobs, {5: "/runs/layers5"}, ["latest"], ["s0", "s1"], 5, _eval_args())
+    assert [name for name, _, _ in jobs.waiting] == [
+        "eval_layers5_latest_0", "eval_layers5_latest_1", "eval_layers5_init_0", "eval_layers5_init_1"]
+    assert evals == [("init", 5), ("latest", 5)]  # the table keeps the untrained row first
+
+
+def test_with_step_checkpoints_the_untrained_drafter_is_queued_first(tmp_path):
+    from bench_real_target import Jobs, add_evals
+
+    jobs = Jobs(limit=4, deadline=time.monotonic() + 100, log_dir=str(tmp_path))
+    add_evals(jobs, {5: "/runs/layers5"}, [1000], ["s0"], 5, _eval_args())
+    assert [name for name, _, _ in jobs.waiting] == ["eval_layers5_init_0", "eval_layers5_step-1000_0"]
+
+
+def test_a_checkpoint_with_slices_missing_keeps_a_row_over_those_that_finished(tmp_path):
+    import json
+
+    from bench_real_target import Jobs, eval_table
+
+    jobs = Jobs(limit=4, deadline=time.monotonic() + 100, log_dir=str(tmp_path))
+    done = [record([2, 1, 0, 1], 8, 80.0, 160.0, 5, 1), record([0, 0, 2, 3], 18, 90.0, 270.0, 6, 2)]
+    for i, r in enumerate(done):
+        with open(jobs.log(f"eval_layers5_latest_{i}"), "w") as f:
+            f.write("loading\nRESULT " + json.dumps(r) + "\n")
+    with open(jobs.log("eval_layers5_latest_2"), "w") as f:
+        f.write("loading\n")  # killed at the deadline before its result
+    (row,) = eval_table(jobs, [("init", 5), ("latest", 5)], 3, {5: str(tmp_path / "run")})
+    assert (row["checkpoint"], row["prompts"], row["slices"], row["of_slices"]) == ("latest", 3, 2, 3)
+    assert row["acceptance_length"] == pytest.approx(26 / 9)
+    assert row["decode_walk"] is None  # no metrics.jsonl at that step

@@ -186,6 +186,57 @@ def save_training(run_dir: str, step: int, workers, sampler_state: dict, config)
     return save_checkpoint(run_dir, step, write, config.train.keep_last)
 
 
+class CheckpointMismatch(ValueError):
+    """train.init_from names something that is not a drafter checkpoint of this run's shape."""
+
+
+# what a drafter's weights fit: config.json keys, and dflash_config's (the taps, the block, the
+# mask token: a checkpoint can fit the shapes and still have been trained for other ones)
+DRAFTER_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "vocab_size")
+DFLASH_KEYS = ("block_size", "target_layer_ids", "mask_token_id")
+
+
+def load_weights(directory: str, workers) -> None:
+    """model.safetensors of `directory` into every worker's drafter (strict: every key, no other)."""
+    from safetensors.torch import load_file
+
+    weights = load_file(os.path.join(directory, "model.safetensors"))
+    for worker in workers:
+        worker.drafter.load_state_dict(weights, strict=True)
+
+
+def init_from(directory: str, workers) -> None:
+    """A new run's drafter weights from a drafter checkpoint (config.json + model.safetensors: a
+    run's checkpoints/step-N, or any dflash drafter), train.init_from; the optimizer, schedule and
+    sampler start fresh. What does not fit this run's drafter is refused in one line that names
+    the differences, before any weight is loaded."""
+    files = [os.path.join(directory, name) for name in ("config.json", "model.safetensors")]
+    if not all(os.path.isfile(f) for f in files):
+        raise CheckpointMismatch(f"train.init_from: {directory}: not a drafter checkpoint "
+                                 "(config.json and model.safetensors)")
+    try:
+        with open(files[0]) as f:
+            theirs = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise CheckpointMismatch(f"train.init_from: {files[0]}: unreadable ({exc})") from None
+    ours = workers[0].drafter.config.to_dict()
+    their_dflash = theirs.get("dflash_config") if isinstance(theirs.get("dflash_config"), dict) else {}
+    differences = [f"{key} {theirs.get(key)} (this run: {ours.get(key)})" for key in DRAFTER_KEYS
+                   if theirs.get(key) != ours.get(key)]
+    differences += [f"{key} {their_dflash.get(key)} (this run: {ours['dflash_config'].get(key)})"
+                    for key in DFLASH_KEYS if their_dflash.get(key) != ours["dflash_config"].get(key)]
+    if differences:
+        raise CheckpointMismatch(f"train.init_from: {directory} does not fit this run's drafter: "
+                                 + "; ".join(differences))
+    try:
+        load_weights(directory, workers)
+    except (RuntimeError, OSError) as exc:  # a tensor missing, extra or of another shape
+        first = str(exc).strip().splitlines()
+        raise CheckpointMismatch(f"train.init_from: {directory}: its weights do not load: "
+                                 f"{' '.join(line.strip() for line in first[:3])[:300]}") from None
+
+
 def restore(directory: str, workers, sampler) -> int:
     """Load a checkpoint written by save_training into every worker and the sampler; returns its step.
 
@@ -196,12 +247,9 @@ def restore(directory: str, workers, sampler) -> int:
     """
     import copy
 
-    from safetensors.torch import load_file
-
-    weights = load_file(os.path.join(directory, "model.safetensors"))
+    load_weights(directory, workers)
     state = load_state(directory)
     for worker in workers:
-        worker.drafter.load_state_dict(weights, strict=True)
         worker.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
         worker.scheduler.load_state_dict(copy.deepcopy(state["scheduler"]))
     sampler.load_state_dict(state["sampler"])

@@ -129,6 +129,10 @@ class TrainConfig:
     # the GPU-speed paths of fast_paths.py (chunked LM-head loss, fused AdamW, tuned flex kernels,
     # the target's maskless forward and compiled layers); false: the reference paths, same results
     fast_paths: bool = True
+    # a drafter checkpoint directory (config.json + model.safetensors: a run's checkpoints/step-N,
+    # or any dflash drafter of this shape) whose weights a new run starts from, with a fresh
+    # optimizer and schedule; a run that has a checkpoint of its own resumes from that instead
+    init_from: str = ""
 
     def __post_init__(self):
         _check_types(self, "train")

@@ -149,10 +149,15 @@ def open_run_dir(config) -> str:
 
 def resume(run_dir: str, config, node, workers, sampler) -> int:
     """The step to start from: that of RUN/checkpoints/latest, restored into every worker and the
-    sampler (multi-node: rank 0's, shared first), or 0."""
+    sampler (multi-node: rank 0's, shared first), or 0 (with train.init_from: from its weights)."""
     node.share_latest_checkpoint(run_dir, config.train.keep_last)
     resume_from = checkpoints.latest_checkpoint(run_dir)
     if not resume_from:
+        if config.train.init_from:
+            source = resolve_path(config.train.init_from)
+            checkpoints.init_from(source, workers)
+            log.info("initialised from %s: its weights; the optimizer and schedule start fresh",
+                     source)
         return 0
     step = checkpoints.restore(resume_from, workers, sampler)
     log.info("resumed from %s at step %d", resume_from, step)
@@ -299,7 +304,8 @@ def main() -> int:
     args = cli_parser(__doc__.splitlines()[0]).parse_args()
     try:
         return train(args)
-    except (ConfigError, DataError, TargetLoadError, dm.DrafterShapeError) as exc:
+    except (ConfigError, DataError, TargetLoadError, dm.DrafterShapeError,
+            checkpoints.CheckpointMismatch) as exc:
         print(f"train_dflash: error: {exc}", file=sys.stderr)
         return 2
 

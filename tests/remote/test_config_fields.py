@@ -53,6 +53,7 @@ train.save_every             | 2.5     | 0
 train.keep_last              | .nan    | 0
 train.prefetch_target        | maybe   | -
 train.fast_paths             | maybe   | -
+train.init_from              | [a]     | -
 compile.enabled              | maybe   | -
 compile.cache_dir            | [a]     | ""
 compile.recompile_limit      | lots    | 0

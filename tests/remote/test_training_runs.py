@@ -251,3 +251,52 @@ def test_the_first_step_of_every_launch_is_logged_in_the_line_the_launch_waits_f
         assert f" INFO step {first}/{stop} | loss " in steps[0][1], steps[0][1]
         assert [line.split(" INFO step ")[1].split("/")[0] for _, line in steps] == [str(first), str(stop)]
 
+
+
+def test_init_from_starts_a_new_run_from_a_checkpoints_weights_with_a_fresh_optimizer(tiny_target, tmp_path):
+    """train.init_from: run B starts from run A's step-3 weights (B's step-0 held-out evaluation
+    is A's step-3 one, exactly), with the schedule and optimizer of a new run (B's first step has
+    A's first learning rate), and a relaunch of B resumes from B's own checkpoint, not from A's."""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    first = run_script("train_dflash.py", *tiny_args(tiny_target, a, *QUICK, "train.eval_every=3",
+                                                     "train.save_every=3"), "--max-steps", "3")
+    assert first.returncode == 0, first.stderr[-3000:]
+    source = os.path.join(checkpoints.checkpoint_root(a), "step-3")
+    for stop in (2, 4):
+        result = run_script("train_dflash.py", *tiny_args(tiny_target, b, *QUICK, "train.save_every=2",
+                                                          f"train.init_from={source}"),
+                            "--max-steps", str(stop))
+        assert result.returncode == 0, result.stderr[-3000:]
+    evals_a, evals_b = read_metrics(a, "eval"), read_metrics(b, "eval")
+    assert [e["step"] for e in evals_a] == [0, 3] and evals_b[0]["step"] == 0
+    assert evals_b[0]["loss"] == evals_a[1]["loss"] != evals_a[0]["loss"]
+    assert evals_b[0]["slot_accuracy"] == evals_a[1]["slot_accuracy"]
+    train_a, train_b = read_metrics(a, "train"), read_metrics(b, "train")
+    assert [r["step"] for r in train_b] == [1, 2, 3, 4]
+    assert train_b[0]["lr"] == train_a[0]["lr"]
+    assert checkpoints.load_state(checkpoints.latest_checkpoint(b))["step"] == 4
+    log = open(os.path.join(b, "train.log")).read()
+    assert log.count(f"initialised from {source}") == 1 and "resumed from" in log
+
+
+def test_init_from_what_does_not_fit_is_refused_in_one_line(tiny_target, tmp_path):
+    a = str(tmp_path / "a")
+    first = run_script("train_dflash.py", *tiny_args(tiny_target, a, *QUICK, "train.save_every=1"),
+                       "--max-steps", "1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    source = os.path.join(checkpoints.checkpoint_root(a), "step-1")
+    cases = {
+        "deeper": (("model.num_draft_layers=3",),
+                   "does not fit this run's drafter: num_hidden_layers 2 (this run: 3)"),
+        "block": (("model.block_size=4",), "block_size 8 (this run: 4)"),
+        "nothing": ((), "not a drafter checkpoint (config.json and model.safetensors)"),
+    }
+    for name, (sets, expected) in cases.items():
+        where = str(tmp_path) if name == "nothing" else source
+        result = run_script("train_dflash.py", *tiny_args(tiny_target, str(tmp_path / name), *QUICK,
+                                                          f"train.init_from={where}", *sets),
+                            "--max-steps", "1")
+        assert result.returncode == 2, (name, result.stderr[-3000:])
+        (line,) = [x for x in result.stderr.strip().splitlines() if "Loading weights" not in x]
+        assert line.startswith("train_dflash: error: train.init_from: ") and expected in line, line
+        assert not read_metrics(str(tmp_path / name))  # nothing trained

@@ -198,12 +198,14 @@ DFLASH_KEYS = ("block_size", "target_layer_ids", "mask_token_id")
 
 
 def load_weights(directory: str, workers) -> None:
-    """model.safetensors of `directory` into every worker's drafter (strict: every key, no other)."""
+    """model.safetensors of `directory` into every worker's drafter (strict: every key, no other),
+    and into its optimizer's fp32 masters where it keeps them (speed.load_weights)."""
+    import speed
     from safetensors.torch import load_file
 
     weights = load_file(os.path.join(directory, "model.safetensors"))
     for worker in workers:
-        worker.drafter.load_state_dict(weights, strict=True)
+        speed.load_weights(worker.drafter, worker.optimizer, weights)
 
 
 def init_from(directory: str, workers) -> None:

@@ -86,6 +86,14 @@ class MasterAdamW(torch.optim.AdamW):
             master.grad = None
         self._loaded = False
 
+    def set_masters(self, tensors) -> None:
+        """The masters from `tensors` (one per model parameter, in order, any float dtype), and the
+        model's parameters from the masters."""
+        with torch.no_grad():
+            for master, tensor in zip(self.masters, tensors, strict=True):
+                master.copy_(tensor)
+            torch._foreach_copy_(self.model_params, self.masters)
+
     def state_dict(self):
         state = super().state_dict()
         state["master_weights"] = [m.detach().clone() for m in self.masters]
@@ -103,6 +111,16 @@ class MasterAdamW(torch.optim.AdamW):
                 for master, saved in zip(self.masters, masters, strict=True):
                     master.copy_(saved)
                 torch._foreach_copy_(self.model_params, self.masters)
+
+
+def load_weights(drafter, optimizer, weights: dict) -> None:
+    """A state dict into the drafter (strict: every key, no other); with MasterAdamW the fp32
+    masters from `weights` as they are, not from the bf16 parameters they round into (masters on
+    the bf16 grid would not move under a warm-up's small updates)."""
+    drafter.load_state_dict(weights, strict=True)
+    if isinstance(optimizer, MasterAdamW):
+        names = {id(param): name for name, param in drafter.named_parameters()}
+        optimizer.set_masters([weights[names[id(param)]] for param in optimizer.model_params])
 
 
 def param_dtype(config) -> torch.dtype:

@@ -300,3 +300,47 @@ def test_init_from_what_does_not_fit_is_refused_in_one_line(tiny_target, tmp_pat
         (line,) = [x for x in result.stderr.strip().splitlines() if "Loading weights" not in x]
         assert line.startswith("train_dflash: error: train.init_from: ") and expected in line, line
         assert not read_metrics(str(tmp_path / name))  # nothing trained
+
+
+def test_init_from_with_bf16_parameters_sets_the_fp32_masters_from_the_checkpoint(tiny_target, tmp_path):
+    """speed.param_dtype=bfloat16 keeps fp32 master weights in the optimizer, made from the run's
+    own initialisation when it is built. train.init_from must set them from the checkpoint's
+    weights, else the first update writes the random drafter back over the loaded one; and at
+    full precision, not from the bf16 parameters they round into. After one step every master is
+    its source weight moved by at most that step's learning rate (Adam's first step)."""
+    from safetensors.torch import save_file
+
+    a = str(tmp_path / "a")
+    first = run_script("train_dflash.py", *tiny_args(tiny_target, a, *QUICK, "train.save_every=1"),
+                       "--max-steps", "1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    trained = os.path.join(checkpoints.checkpoint_root(a), "step-1")
+    source = tmp_path / "source"  # far from any initialisation, and off the bf16 grid
+    source.mkdir()
+    weights = {k: v * 1.5 + 0.0123 for k, v in load_file(os.path.join(trained, "model.safetensors")).items()}
+    save_file(weights, str(source / "model.safetensors"))
+    (source / "config.json").write_text(open(os.path.join(trained, "config.json")).read())
+    b = str(tmp_path / "b")
+    result = run_script("train_dflash.py", *tiny_args(tiny_target, b, *QUICK, *SPEED_ON, "train.save_every=1",
+                                                      f"train.init_from={source}"), "--max-steps", "1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    state = checkpoints.load_state(os.path.join(checkpoints.checkpoint_root(b), "step-1"))
+    masters = state["optimizer"]["master_weights"]
+    lr = read_metrics(b, "train")[0]["lr"]
+    # the masters are in the drafter's parameter order: the order of the drafter training builds
+    import json
+
+    import target_model
+    import training
+    from train_config import load_config
+    config = load_config(os.path.join(b, "config.yaml"))
+    target_config = target_model.load_target_config(tiny_target)
+    with open(source / "config.json") as f:
+        mask_token_id = json.load(f)["dflash_config"]["mask_token_id"]
+    template = training.build_drafter_template(config, target_config, mask_token_id,
+                                               training.target_layer_ids(config, target_config))
+    names = [name for name, param in template.named_parameters() if param.requires_grad]
+    assert sorted(names) == sorted(weights)
+    for master, name in zip(masters, names, strict=True):
+        assert master.dtype == torch.float32 and master.shape == weights[name].shape, name
+        assert (master - weights[name]).abs().max().item() <= lr * 1.001 + 1e-7, name

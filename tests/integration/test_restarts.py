@@ -2,6 +2,7 @@
 relaunches a SIGKILLed trainer from its checkpoint and the run finishes, `runs --history` shows each
 segment, a stopped run is never restarted, and `metrics` shows a resumed run's steps once."""
 
+import contextlib
 import json
 import subprocess
 
@@ -34,13 +35,42 @@ def frozen(deployed, run) -> str:
     return pid
 
 
+VENV_PYTHON = "/root/venv/bin/python"
+
+
+@contextlib.contextmanager
+def trainer_held_at_its_start(deployed):
+    """Within the block, a training process stops itself (SIGSTOP) before its python starts: the
+    venv's python is a shim that does so for train_dflash.py. The test acts on the process before
+    it can take a step, however fast it would have been (a segment that reached its last step
+    before the test froze it once resumed from there, not from the checkpoint the test meant)."""
+    shim = ["#!/bin/sh", 'case "$1" in */train_dflash.py) kill -STOP $$ ;; esac',
+            f'exec {VENV_PYTHON}.held "$@"']
+    lines = " ".join(f"'{line}'" for line in shim)
+    deployed.container("sh", "-c", f"mv {VENV_PYTHON} {VENV_PYTHON}.held && "
+                       f"printf '%s\\n' {lines} > {VENV_PYTHON} && chmod 755 {VENV_PYTHON}")
+    try:
+        yield
+    finally:
+        deployed.container("mv", "-f", f"{VENV_PYTHON}.held", VENV_PYTHON)
+
+
+def stopped_at_start(deployed, pid: str) -> bool:
+    stat = deployed.container("cat", f"/proc/{pid}/stat", check=False).stdout
+    return stat.rpartition(")")[2].split()[:1] == ["T"]
+
+
 def test_a_run_with_max_restarts_survives_a_sigkill_from_its_checkpoint_and_finishes(deployed):
     deployed.train("requeue", "--max-steps", "2")  # a checkpoint of step 2 for the restart to resume
     follow_to_the_end(deployed, "requeue")
-    more = deployed.invoke("train", "--run", "requeue", "--max-steps", "8", "--max-restarts", "2",
-                           "--no-wait")
-    assert "  changed: --max-restarts: 0 -> 2" in more.stdout
-    pid = frozen(deployed, "requeue")  # still starting: no step of this segment yet
+    with trainer_held_at_its_start(deployed):  # no step of this segment before the crash
+        more = deployed.invoke("train", "--run", "requeue", "--max-steps", "8", "--max-restarts", "2",
+                               "--no-wait")
+        assert "  changed: --max-restarts: 0 -> 2" in more.stdout
+        pid = deployed.run_file("requeue", "pid").strip()
+        deployed.wait_for("the trainer stopped at its start", lambda: stopped_at_start(deployed, pid),
+                          timeout=60, every=0.2)
+    # the shim is gone: the automatic restart runs the real python
     assert deployed.container("test", "-e", "/root/runs/requeue/exit_code", check=False).returncode != 0
     watch = subprocess.Popen(deployed.invoke_argv("watch", "--run", "requeue", "--every", "1"), cwd=REPO,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

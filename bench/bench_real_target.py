@@ -49,6 +49,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu
 
 from common import REMOTE  # noqa: E402
 
+sys.path.insert(0, REMOTE)
+
+from train_config import DTYPE_NAMES  # noqa: E402
+
 
 def combine(records: list[dict]) -> dict:
     """eval_dflash.py records of one drafter over prompt slices -> one record: the verification
@@ -194,7 +198,8 @@ def add_evals(jobs: Jobs, runs: dict[int, str], eval_steps: list, shards: list[s
             jobs.add(f"eval_layers{depth}_{checkpoint}_{i}", [
                 sys.executable, "eval_dflash.py", "--run-dir", runs[depth], "--checkpoint",
                 checkpoint, "--prompts", shard, "--num-prompts", str(per), "--max-new-tokens",
-                str(args.eval_tokens), "--device", args.device, "--no-write"], ready=ready)
+                str(args.eval_tokens), "--device", args.device, "--no-write",
+                *(["--dtype", args.eval_dtype] if args.eval_dtype else [])], ready=ready)
     return [*untrained, *evals]
 
 
@@ -245,6 +250,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                         help="a config setting for every training run, after the bench's own "
                              "(e.g. model.target_layer_ids=[1,7,14,20,27]); repeatable")
+    parser.add_argument("--eval-dtype", choices=DTYPE_NAMES,
+                        help="eval_dflash.py --dtype: the official eval's precision, when the "
+                             "training's target.dtype (--set) is another")
     parser.add_argument("--num-prompts", type=int, default=100)
     parser.add_argument("--eval-tokens", type=int, default=128)
     parser.add_argument("--shards", type=int, default=4)

@@ -1,7 +1,7 @@
 """Evaluate a run's drafter with the official `dflash` inference code against the run's target.
 
     python eval_dflash.py --run-dir D [--checkpoint latest|step-N|init|DIR] [--prompts JSONL]
-        [--num-prompts 16] [--max-new-tokens 64] [--device cuda:0|cpu]
+        [--num-prompts 16] [--max-new-tokens 64] [--device cuda:0|cpu] [--dtype float32]
 
 Loads the checkpoint with `dflash.model.DFlashDraftModel.from_pretrained` (refused if any key is
 missing or unexpected; `init` is the untrained baseline: the drafter the run's config initialises,
@@ -226,20 +226,21 @@ def run(args) -> dict:
     untrained = args.checkpoint == "init"
     checkpoint = None if untrained else resolve_checkpoint(run_dir, args.checkpoint)
     device = args.device or config.devices.target.split(",")[0].strip()
-    dtype = target_model.DTYPES[config.target.dtype]
+    dtype_name = args.dtype or config.target.dtype
+    dtype = target_model.DTYPES[dtype_name]
     target_path = resolve_path(config.target.path)
     prompts_path = args.prompts or resolve_path(config.data.heldout)
     if not prompts_path:
         raise EvalError("no prompts: the run's config has no data.heldout; give --prompts JSONL")
 
-    tokenizer, target = target_model.load_target(target_path, device, config.target.dtype)
+    tokenizer, target = target_model.load_target(target_path, device, dtype_name)
     if untrained:
         checkpoint = initial_checkpoint(run_dir, config, tokenizer, target_path)
     drafter = load_drafter(checkpoint, device, dtype)
     prompts = prompt_ids(tokenizer, prompts_path, args.num_prompts, resolve_path(config.data.train),
                          log=lambda line: print(line, flush=True))
     print(f"eval: {os.path.relpath(checkpoint, run_dir)} vs target {target_path} on {device} "
-          f"({config.target.dtype}), {len(prompts)} held-out prompts, <= {args.max_new_tokens} "
+          f"({dtype_name}), {len(prompts)} held-out prompts, <= {args.max_new_tokens} "
           f"new tokens", flush=True)
     measured = evaluate(drafter, target, prompts, args.max_new_tokens,
                         target_model.stop_token_ids(tokenizer, target), device)
@@ -248,7 +249,7 @@ def run(args) -> dict:
         else None
     record = {"kind": "dflash_eval", "time": time.time(), "run_dir": run_dir,
               "checkpoint": checkpoint, "step": step, "target": target_path, "device": device,
-              "dtype": config.target.dtype, "prompts": len(prompts), "prompts_file": prompts_path,
+              "dtype": dtype_name, "prompts": len(prompts), "prompts_file": prompts_path,
               "max_new_tokens": args.max_new_tokens, "block_size": drafter.block_size, **measured}
     if args.write:
         checkpoints.write_atomic(os.path.join(run_dir, "eval.json"), json.dumps(record, indent=1))
@@ -266,6 +267,10 @@ def main() -> int:
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--device", help="default: the run's first target device")
+    parser.add_argument("--dtype", choices=sorted(target_model.DTYPES),
+                        help="the target's and the drafter's precision (default: the run's "
+                             "target.dtype): float32 for a run whose features a bfloat16 target made, "
+                             "so that bfloat16 near-ties cannot fail the lossless check")
     parser.add_argument("--no-write", dest="write", action="store_false",
                         help="measure only; leave eval.json and evals.jsonl alone")
     args = parser.parse_args()

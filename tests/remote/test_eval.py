@@ -167,6 +167,28 @@ def test_the_trainings_decode_walk_is_what_the_official_decoding_measures(pipeli
     assert last["decode_acceptance"] == pytest.approx(official["acceptance_length"], rel=1e-12)
 
 
+def test_dtype_evaluates_a_run_in_another_precision_than_its_config(pipeline, trained_eval, tmp_path):
+    """--dtype float32 on a run whose config says bfloat16 (its features made by a bfloat16 target):
+    the target and the drafter in float32, so the figures are, exactly, those of the run's twin
+    whose config says float32 (the precision is all that differs between the two)."""
+    import yaml
+
+    run = tmp_path / "bf16-run"
+    run.mkdir()
+    with open(os.path.join(pipeline["run"], "config.yaml")) as f:
+        config = yaml.safe_load(f)
+    assert config["target"]["dtype"] == "float32"
+    config["target"]["dtype"] = "bfloat16"
+    (run / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    done = run_script("eval_dflash.py", "--run-dir", str(run), "--checkpoint", pipeline["trained"],
+                      "--num-prompts", "8", "--max-new-tokens", "32", "--dtype", "float32", "--no-write")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    record = result_of(done)
+    assert record["dtype"] == "float32" and "(float32)" in done.stdout
+    same = ("lossless", "acceptance_histogram", "new_tokens", "target_forwards", "verify_steps")
+    assert {k: record[k] for k in same} == {k: trained_eval[k] for k in same}
+
+
 def test_untrained_drafter_of_two_evaluations_at_once(pipeline, monkeypatch):
     """Two `--checkpoint init` evaluations of one run (shards of the prompts, say): the one that
     finds RUN/untrained taken by the other after writing its own copy keeps the other's."""

@@ -82,7 +82,7 @@ def test_a_job_stopped_at_its_time_ends_on_sigterm_and_the_job_waiting_for_it_st
 
 def _eval_args():
     import argparse
-    return argparse.Namespace(eval_tokens=16, device="cpu")
+    return argparse.Namespace(eval_tokens=16, device="cpu", eval_dtype=None)
 
 
 def test_with_latest_the_trained_drafter_is_evaluated_before_the_untrained_one(tmp_path):
@@ -121,3 +121,13 @@ def test_a_checkpoint_with_slices_missing_keeps_a_row_over_those_that_finished(t
     assert (row["checkpoint"], row["prompts"], row["slices"], row["of_slices"]) == ("latest", 3, 2, 3)
     assert row["acceptance_length"] == pytest.approx(26 / 9)
     assert row["decode_walk"] is None  # no metrics.jsonl at that step
+
+
+def test_the_eval_dtype_reaches_every_eval_job(tmp_path):
+    from bench_real_target import Jobs, add_evals
+
+    jobs = Jobs(limit=4, deadline=time.monotonic() + 100, log_dir=str(tmp_path))
+    args = _eval_args()
+    args.eval_dtype = "float32"
+    add_evals(jobs, {5: "/runs/layers5"}, ["latest"], ["s0"], 5, args)
+    assert [argv[argv.index("--dtype") + 1] for _, argv, _ in jobs.waiting] == ["float32", "float32"]

@@ -203,10 +203,20 @@ def add_evals(jobs: Jobs, runs: dict[int, str], eval_steps: list, shards: list[s
     return [*untrained, *evals]
 
 
+def started_from(run_dir: str) -> str:
+    """The run's train.init_from ("" when it started from its own initialisation)."""
+    from train_config import load_config
+
+    path = os.path.join(run_dir, "config.yaml")
+    return load_config(path).train.init_from if os.path.isfile(path) else ""
+
+
 def eval_table(jobs: Jobs, evals: list[tuple[str, int]], slices: int, runs: dict[int, str]) -> list[dict]:
     """One row per evaluated checkpoint: its slices' results summed (combine), with the
     training's own held-out figures at that step. A checkpoint whose slices did not all finish
-    (the deadline) still gets a row over those that did, with `slices` saying how many."""
+    (the deadline) still gets a row over those that did, with `slices` saying how many. The
+    untrained drafter (`init`) of a run started from other weights (train.init_from) gets no
+    held-out figures: the training's step 0 is those weights, not the untrained drafter."""
     table = []
     for checkpoint, depth in evals:
         records = [jobs.result(f"eval_layers{depth}_{checkpoint}_{i}") for i in range(slices)
@@ -214,7 +224,8 @@ def eval_table(jobs: Jobs, evals: list[tuple[str, int]], slices: int, runs: dict
         records = [r for r in records if r]
         if records:
             row = combine(records)
-            held = held_out_eval(os.path.join(runs[depth], "metrics.jsonl"), row["step"])
+            held = {} if checkpoint == "init" and started_from(runs[depth]) else \
+                held_out_eval(os.path.join(runs[depth], "metrics.jsonl"), row["step"])
             row.update(drafter=f"{depth} layers", checkpoint=checkpoint, of_slices=slices,
                        teacher_forced=held.get("acceptance_length"),
                        decode_walk=held.get("decode_acceptance"))

@@ -131,3 +131,26 @@ def test_the_eval_dtype_reaches_every_eval_job(tmp_path):
     args.eval_dtype = "float32"
     add_evals(jobs, {5: "/runs/layers5"}, ["latest"], ["s0"], 5, args)
     assert [argv[argv.index("--dtype") + 1] for _, argv, _ in jobs.waiting] == ["float32", "float32"]
+
+
+def test_the_untrained_row_of_a_run_started_from_other_weights_has_no_held_out_figures(tmp_path):
+    """With train.init_from the training's step-0 evaluation is of the weights it started from; the
+    `init` checkpoint (eval_dflash.py) is the untrained drafter: the two must not share a row."""
+    import json
+
+    from bench_real_target import Jobs, eval_table
+
+    jobs = Jobs(limit=4, deadline=time.monotonic() + 100, log_dir=str(tmp_path))
+    untrained = dict(record([4, 0, 0, 0], 4, 10.0, 10.0, 4, 1), step=0)
+    with open(jobs.log("eval_layers5_init_0"), "w") as f:
+        f.write("RESULT " + json.dumps(untrained) + "\n")
+    for run, start in (("fresh", ""), ("warm", "/drafters/step-11312")):
+        (tmp_path / run).mkdir()
+        (tmp_path / run / "metrics.jsonl").write_text(json.dumps(
+            {"kind": "eval", "step": 0, "acceptance_length": 2.21, "decode_acceptance": 2.40}) + "\n")
+        (tmp_path / run / "config.yaml").write_text(
+            f"model: {{}}\ntarget: {{path: /t}}\ndata: {{train: /d}}\ntrain: {{init_from: '{start}'}}\n")
+        (row,) = eval_table(jobs, [("init", 5)], 1, {5: str(tmp_path / run)})
+        assert row["acceptance_length"] == 1.0
+        expected = (2.21, 2.40) if run == "fresh" else (None, None)
+        assert (row["teacher_forced"], row["decode_walk"]) == expected

@@ -105,8 +105,13 @@ def load_target_config(path: str):
 
 
 def load_causal_lm(path: str, dtype: str) -> nn.Module:
-    """The one loader of the target's weights: frozen, eval mode, on the CPU."""
+    """The one loader of the target's weights: frozen, eval mode, on the CPU. transformers'
+    progress bar is off for the process (it wrote carriage-return bars into every log, and into
+    the stderr whose one line is the error of a refused input)."""
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
 
     _check_dir(path)
     with _load_errors(path, "model"):

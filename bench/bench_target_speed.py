@@ -22,35 +22,31 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "remote_scripts"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
 
+from common import sync  # noqa: E402  (puts remote_scripts on the path)
 from target_model import greedy_generate  # noqa: E402
 
 CASES = (("float32", torch.float32, "highest"), ("float32, TF32 matmuls", torch.float32, "high"),
          ("bfloat16", torch.bfloat16, "highest"))
 
 
-def synchronize(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
-
-
 def measure(model, device: str, prompts: list[list[int]], new_tokens: int, rows) -> tuple[float, float]:
     """(answer tokens per second, seconds per feature forward)."""
     with torch.no_grad():
         greedy_generate(model, prompts[:8], 2, stop_ids=[-1])
-        synchronize(device)
+        sync(device)
         started = time.perf_counter()
         answers = greedy_generate(model, prompts, new_tokens, stop_ids=[-1])
-        synchronize(device)
+        sync(device)
         generate_s = time.perf_counter() - started
         for _ in range(3):
             model(rows, output_hidden_states=True, use_cache=False, logits_to_keep=1)
-        synchronize(device)
+        sync(device)
         started = time.perf_counter()
         for _ in range(10):
             model(rows, output_hidden_states=True, use_cache=False, logits_to_keep=1)
-        synchronize(device)
+        sync(device)
         feature_s = (time.perf_counter() - started) / 10
     return sum(len(a) for a in answers) / generate_s, feature_s
 

@@ -5,7 +5,8 @@
 
 The model is built from DIR's config.json with random weights (the speed is the shape's, and no
 checkpoint is needed). For float32 (full-precision matmuls), float32 with TF32 matmuls and
-bfloat16 it times:
+bfloat16, then float32 and bfloat16 with regenerate_data.py's attention
+(target_model.use_grouped_attention: no key/value head copied per query head), it times:
 - answering: target_model.greedy_generate (what regenerate_data.py runs) over --prompts random
   prompts of 20-100 tokens in one batch, --new-tokens each (random weights never stop early);
 - features: one target forward with every hidden state (what training runs for a row not in the
@@ -25,10 +26,13 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
 
 from common import sync  # noqa: E402  (puts remote_scripts on the path)
-from target_model import greedy_generate  # noqa: E402
+from target_model import greedy_generate, use_grouped_attention  # noqa: E402
 
-CASES = (("float32", torch.float32, "highest"), ("float32, TF32 matmuls", torch.float32, "high"),
-         ("bfloat16", torch.bfloat16, "highest"))
+CASES = (("float32", torch.float32, "highest", False),
+         ("float32, TF32 matmuls", torch.float32, "high", False),
+         ("bfloat16", torch.bfloat16, "highest", False),
+         ("float32, grouped attention", torch.float32, "highest", True),
+         ("bfloat16, grouped attention", torch.bfloat16, "highest", True))
 
 
 def measure(model, device: str, prompts: list[list[int]], new_tokens: int, rows) -> tuple[float, float]:
@@ -75,8 +79,10 @@ def main() -> int:
           f"random weights, on {args.device}"
           + (f" ({torch.cuda.get_device_name(args.device)})" if args.device.startswith("cuda") else ""))
     baseline = None
-    for name, dtype, precision in CASES:
+    for name, dtype, precision, grouped in CASES:
         torch.set_float32_matmul_precision(precision)
+        if grouped:
+            use_grouped_attention(base)  # the rows after this one keep it
         tokens_per_s, feature_s = measure(base.to(args.device, dtype), args.device, prompts,
                                           args.new_tokens, rows)
         baseline = baseline or (tokens_per_s, feature_s)

@@ -31,7 +31,9 @@ model load (train and held-out splits). On one device with a plain decoding loop
 pipeline and small sets; for millions of rows on a 27B target an inference server (SGLang, vLLM) is
 the tool.
 Decoding (`greedy_generate`, the plain decoding eval_dflash.py measures speculative decoding against) is
-target_model.py's.
+target_model.py's; here with its grouped attention (`use_grouped_attention`: with a padding mask
+and fewer key/value heads than query heads, transformers' sdpa copies every key/value head per
+query head on each step; this path reads the KV cache as it is, with the same answers).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from target_model import (
     greedy_generate,
     load_target,
     stop_token_ids,
+    use_grouped_attention,
 )
 
 # ----------------------------------------------------------------------------- dataset
@@ -234,6 +237,7 @@ def main() -> int:
         kept = [extended_record(source, rows, args) if args.extend else None
                 for source, rows in zip(args.sources, inputs, strict=True)]
         tokenizer, model = load_target(args.target, args.device, args.dtype)
+        use_grouped_attention(model)  # the KV cache read once per step, not copied per head
         if args.self_prompts:
             inputs[0] += self_prompts(tokenizer, model, args.self_prompts, args.batch_size,
                                       [row for rows in inputs for row in rows], args.seed,

@@ -537,6 +537,51 @@ def chat_prompt_ids(tokenizer, turns: list[dict]) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+GROUPED_ATTENTION = "sdpa_grouped"
+
+
+def grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0,
+                 scaling: float | None = None, is_causal: bool | None = None, **kwargs):
+    """transformers' sdpa attention, without copying the key/value heads when there is a mask.
+
+    With grouped-query attention (fewer key/value heads than query heads) and a padding mask,
+    transformers' `sdpa` repeats every key/value head for each of its query heads before the
+    kernel (SDPA's own grouped path takes no mask). A left-padded decoding batch always has a
+    mask, so each decoding step copied its whole KV cache three times over (SmolLM2: 9 query, 3
+    key/value heads). Here the query heads of a group are laid along the query axis instead:
+    [B, kv, rep * q, d] against the unrepeated [B, kv, L, d] keys, the mask repeated alike. The
+    same attention, the same result up to rounding. Without a mask, or without grouping,
+    transformers' own sdpa runs.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    batch, heads, q_len, head_dim = query.shape
+    kv_heads = key.shape[1]
+    if attention_mask is None or heads == kv_heads or dropout:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    rep = heads // kv_heads
+    kv_len = attention_mask.shape[-1]
+    mask = attention_mask.expand(batch, 1, q_len, kv_len)[:, :, None]
+    mask = mask.expand(batch, 1, rep, q_len, kv_len).reshape(batch, 1, rep * q_len, kv_len)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.reshape(batch, kv_heads, rep * q_len, head_dim), key, value, attn_mask=mask,
+        scale=scaling)
+    return out.view(batch, heads, q_len, head_dim).transpose(1, 2).contiguous(), None
+
+
+def use_grouped_attention(model) -> None:
+    """Switch `model` from transformers' sdpa to grouped_sdpa (regenerate_data.py's decoding)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if model.config._attn_implementation not in ("sdpa", GROUPED_ATTENTION):
+        return
+    AttentionInterface.register(GROUPED_ATTENTION, grouped_sdpa)
+    AttentionMaskInterface.register(GROUPED_ATTENTION, sdpa_mask)
+    model.config._attn_implementation = GROUPED_ATTENTION
+
+
 @torch.inference_mode()
 def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
                     pad_id: int = 0, temperature: float = 0.0,

@@ -1,5 +1,5 @@
 """bench/bench_target_speed.py runs end to end (CPU, the tiny target's shape) and reports each
-precision against float32's, measured in the same run."""
+precision (and regenerate_data's grouped attention) against float32's, measured in the same run."""
 
 from __future__ import annotations
 
@@ -22,5 +22,7 @@ def test_each_precision_is_reported_against_float32(tiny_target):
     rows = [re.match(r"(.+): answering [\d,]+ tokens/s \(([\d.]+)x\), features [\d.]+ ms per 2 x 16 "
                      r"\(([\d.]+)x\)$", line) for line in lines[1:]]
     assert all(rows), lines
-    assert [r.group(1) for r in rows] == ["float32", "float32, TF32 matmuls", "bfloat16"]
+    assert [r.group(1) for r in rows] == ["float32", "float32, TF32 matmuls", "bfloat16",
+                                          "float32, grouped attention",
+                                          "bfloat16, grouped attention"]
     assert rows[0].group(2) == rows[0].group(3) == "1.00"

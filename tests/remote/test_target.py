@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from target_model import ShapeOnlyTarget, Target, TargetLoadError, decoder_layers
+from target_model import (
+    ShapeOnlyTarget,
+    Target,
+    TargetLoadError,
+    decoder_layers,
+    greedy_generate,
+    load_causal_lm,
+    use_grouped_attention,
+)
 
 
 def test_context_features_are_the_tapped_hidden_states_concatenated(tiny_target):
@@ -253,3 +261,33 @@ def test_features_in_another_dtype_are_cast_before_they_move_and_cached_at_their
     assert half.feature_cache.bytes == 2 * 12 * 128 * 2
     half.context_features(ids, mask, "cpu")
     assert half.feature_cache.hits == 2
+
+
+def test_grouped_attention_decodes_what_sdpa_decodes_without_copying_key_value_heads(
+        tiny_target, monkeypatch):
+    """regenerate_data's attention (use_grouped_attention): the same greedy answers and logits as
+    transformers' sdpa on left-padded prompts, with no key/value head repeated."""
+    from transformers.integrations import sdpa_attention
+
+    model = load_causal_lm(tiny_target, "float32")
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(8, 200, (n,), generator=generator).tolist() for n in (3, 9, 5, 7)]
+    ids = torch.zeros(4, 9, dtype=torch.long)
+    mask = torch.zeros(4, 9, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, 9 - len(prompt):], mask[row, 9 - len(prompt):] = torch.tensor(prompt), 1
+    with torch.no_grad():
+        answers, logits = greedy_generate(model, prompts, 12, []), model(ids, attention_mask=mask).logits
+
+    def no_copies(*args):
+        raise AssertionError("a key/value head was repeated")
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", no_copies)
+    with pytest.raises(AssertionError, match="repeated"):  # transformers' sdpa copies them
+        greedy_generate(model, prompts, 2, [])
+    use_grouped_attention(model)
+    with torch.no_grad():
+        assert greedy_generate(model, prompts, 12, []) == answers
+        grouped = model(ids, attention_mask=mask).logits
+    torch.testing.assert_close(grouped * mask[..., None], logits * mask[..., None],
+                               rtol=1e-5, atol=1e-5)

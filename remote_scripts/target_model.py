@@ -567,7 +567,7 @@ def grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0
     out = torch.nn.functional.scaled_dot_product_attention(
         query.reshape(batch, kv_heads, rep * q_len, head_dim), key, value, attn_mask=mask,
         scale=scaling)
-    return out.view(batch, heads, q_len, head_dim).transpose(1, 2).contiguous(), None
+    return out.reshape(batch, heads, q_len, head_dim).transpose(1, 2).contiguous(), None
 
 
 def use_grouped_attention(model) -> None:

@@ -291,3 +291,24 @@ def test_grouped_attention_decodes_what_sdpa_decodes_without_copying_key_value_h
         grouped = model(ids, attention_mask=mask).logits
     torch.testing.assert_close(grouped * mask[..., None], logits * mask[..., None],
                                rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_attention_takes_the_kernels_output_in_the_cuda_layout(tiny_target, monkeypatch):
+    """CUDA's SDPA kernels return [B, H, L, D] laid out as [B, L, H, D] in memory (a GPU run of the
+    first form of grouped_sdpa: "view size is not compatible with input tensor's size and
+    stride"). The same values in that layout give the same answers."""
+    import torch.nn.functional as F
+
+    model = load_causal_lm(tiny_target, "float32")
+    use_grouped_attention(model)
+    prompts = [[5, 9, 17], [40, 41, 42, 43, 44, 45], [7] * 4]
+    with torch.no_grad():
+        answers = greedy_generate(model, prompts, 6, [])
+    sdpa = F.scaled_dot_product_attention
+
+    def cuda_layout(*args, **kwargs):
+        out = sdpa(*args, **kwargs)
+        return out.transpose(1, 2).contiguous().transpose(1, 2)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", cuda_layout)
+    with torch.no_grad():
+        assert greedy_generate(model, prompts, 6, []) == answers

@@ -24,7 +24,8 @@ The payload's own scripts, in remote_scripts/ (remote_scripts/README.md, "A real
   then and the evals run alone after it: eval processes beside a training take most of the GPU
   from it (bench/RESULTS.md).
 Then one table: each drafter's shards summed (acceptance from the summed histograms), beside the
-training's own held-out figures at that step (teacher-forced, and the decode walk). Writes
+training's own held-out figures at that step, or at its last evaluation before it (a stop falls
+between evaluations; the table names that step): teacher-forced, and the decode walk. Writes
 DIR/real_target.json and prints the table in markdown. `--prompts DIR` holds data/make_real.py's
 train.jsonl and heldout.jsonl (made where chatterbot-corpus and depresso are installed; a GPU
 machine without a network has neither).
@@ -75,14 +76,15 @@ def combine(records: list[dict]) -> dict:
 
 
 def held_out_eval(metrics_path: str, step: int) -> dict:
-    """The training's own held-out evaluation at `step` ({} if it did not evaluate there): its
-    `acceptance_length` (teacher-forced) and `decode_acceptance` (the decode walk)."""
+    """The training's own held-out evaluation at `step`, or its last one before (a checkpoint
+    written at a stop, --train-for, falls between evaluations): its `step`, `acceptance_length`
+    (teacher-forced) and `decode_acceptance` (the decode walk); {} if none."""
     if not os.path.isfile(metrics_path):
         return {}
     with open(metrics_path) as f:
         records = [json.loads(line) for line in f if line.strip()]
-    found = [r for r in records if r.get("kind") == "eval" and r["step"] == step]
-    return found[-1] if found else {}
+    found = [r for r in records if r.get("kind") == "eval" and r["step"] <= step]
+    return max(found, key=lambda r: r["step"]) if found else {}
 
 
 class Jobs:
@@ -228,7 +230,7 @@ def eval_table(jobs: Jobs, evals: list[tuple[str, int]], slices: int, runs: dict
                 held_out_eval(os.path.join(runs[depth], "metrics.jsonl"), row["step"])
             row.update(drafter=f"{depth} layers", checkpoint=checkpoint, of_slices=slices,
                        teacher_forced=held.get("acceptance_length"),
-                       decode_walk=held.get("decode_acceptance"))
+                       decode_walk=held.get("decode_acceptance"), held_out_step=held.get("step"))
             table.append(row)
     return table
 
@@ -365,6 +367,8 @@ def main() -> int:
     print("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|")
     for r in table:
         tf, walk = ("-" if r[k] is None else f"{r[k]:.2f}" for k in ("teacher_forced", "decode_walk"))
+        if r["held_out_step"] not in (None, r["step"]):  # the last evaluation before the checkpoint
+            tf, walk = (f"{v} (step {r['held_out_step']})" for v in (tf, walk))
         speedup = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
         prompts = f"{r['prompts']}" + ("" if r["slices"] == r["of_slices"] else
                                         f" ({r['slices']} of {r['of_slices']} slices)")

@@ -154,3 +154,29 @@ def test_the_untrained_row_of_a_run_started_from_other_weights_has_no_held_out_f
         assert row["acceptance_length"] == 1.0
         expected = (2.21, 2.40) if run == "fresh" else (None, None)
         assert (row["teacher_forced"], row["decode_walk"]) == expected
+
+
+def test_a_checkpoint_written_at_a_stop_gets_the_last_held_out_figures_before_it(tmp_path):
+    """--train-for stops a run between its evaluations (step 2,006 with evaluations every 250):
+    its row carries the evaluation of step 2,000, and says which step that was."""
+    import json
+
+    from bench_real_target import Jobs, eval_table
+
+    jobs = Jobs(limit=4, deadline=time.monotonic() + 100, log_dir=str(tmp_path))
+    for name, step in (("eval_layers5_latest_0", 2006), ("eval_layers5_step-250_0", 250)):
+        with open(jobs.log(name), "w") as f:
+            f.write("RESULT " + json.dumps(dict(record([4, 3, 1, 0], 13, 10.0, 10.0, 4, 1),
+                                                step=step)) + "\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
+        {"kind": "eval", "step": 250, "acceptance_length": 1.64, "decode_acceptance": 1.43},
+        {"kind": "train", "step": 2000, "acceptance_length": 2.65},
+        {"kind": "eval", "step": 2000, "acceptance_length": 2.32, "decode_acceptance": 1.97},
+        {"kind": "train", "step": 2006, "acceptance_length": 2.73})))
+    latest, at_250 = eval_table(jobs, [("latest", 5), ("step-250", 5)], 1, {5: str(run)})
+    assert (latest["teacher_forced"], latest["decode_walk"], latest["held_out_step"]) == \
+        (2.32, 1.97, 2000)
+    assert (at_250["teacher_forced"], at_250["decode_walk"], at_250["held_out_step"]) == \
+        (1.64, 1.43, 250)

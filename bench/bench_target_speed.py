@@ -6,7 +6,9 @@
 The model is built from DIR's config.json with random weights (the speed is the shape's, and no
 checkpoint is needed). For float32 (full-precision matmuls), float32 with TF32 matmuls and
 bfloat16, then float32 and bfloat16 with regenerate_data.py's attention
-(target_model.use_grouped_attention: no key/value head copied per query head), it times:
+(target_model.use_grouped_attention: no key/value head copied per query head), then float32 with
+that attention and regenerate_data.py's KV cache reserved up front (greedy_generate's `reserve`: no
+cache copied per step), it times:
 - answering: target_model.greedy_generate (what regenerate_data.py runs) over --prompts random
   prompts of 20-100 tokens in one batch, --new-tokens each (random weights never stop early);
 - features: one target forward with every hidden state (what training runs for a row not in the
@@ -28,20 +30,22 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu
 from common import sync  # noqa: E402  (puts remote_scripts on the path)
 from target_model import greedy_generate, use_grouped_attention  # noqa: E402
 
-CASES = (("float32", torch.float32, "highest", False),
-         ("float32, TF32 matmuls", torch.float32, "high", False),
-         ("bfloat16", torch.bfloat16, "highest", False),
-         ("float32, grouped attention", torch.float32, "highest", True),
-         ("bfloat16, grouped attention", torch.bfloat16, "highest", True))
+CASES = (("float32", torch.float32, "highest", False, False),
+         ("float32, TF32 matmuls", torch.float32, "high", False, False),
+         ("bfloat16", torch.bfloat16, "highest", False, False),
+         ("float32, grouped attention", torch.float32, "highest", True, False),
+         ("bfloat16, grouped attention", torch.bfloat16, "highest", True, False),
+         ("float32, grouped attention, reserved cache", torch.float32, "highest", True, True))
 
 
-def measure(model, device: str, prompts: list[list[int]], new_tokens: int, rows) -> tuple[float, float]:
+def measure(model, device: str, prompts: list[list[int]], new_tokens: int, rows,
+            reserve: bool) -> tuple[float, float]:
     """(answer tokens per second, seconds per feature forward)."""
     with torch.no_grad():
-        greedy_generate(model, prompts[:8], 2, stop_ids=[-1])
+        greedy_generate(model, prompts[:8], 2, stop_ids=[-1], reserve=reserve)
         sync(device)
         started = time.perf_counter()
-        answers = greedy_generate(model, prompts, new_tokens, stop_ids=[-1])
+        answers = greedy_generate(model, prompts, new_tokens, stop_ids=[-1], reserve=reserve)
         sync(device)
         generate_s = time.perf_counter() - started
         for _ in range(3):
@@ -79,12 +83,12 @@ def main() -> int:
           f"random weights, on {args.device}"
           + (f" ({torch.cuda.get_device_name(args.device)})" if args.device.startswith("cuda") else ""))
     baseline = None
-    for name, dtype, precision, grouped in CASES:
+    for name, dtype, precision, grouped, reserve in CASES:
         torch.set_float32_matmul_precision(precision)
         if grouped:
             use_grouped_attention(base)  # the rows after this one keep it
         tokens_per_s, feature_s = measure(base.to(args.device, dtype), args.device, prompts,
-                                          args.new_tokens, rows)
+                                          args.new_tokens, rows, reserve)
         baseline = baseline or (tokens_per_s, feature_s)
         print(f"{name}: answering {tokens_per_s:,.0f} tokens/s ({tokens_per_s / baseline[0]:.2f}x), "
               f"features {feature_s * 1000:.1f} ms per {args.batch} x {args.length} "

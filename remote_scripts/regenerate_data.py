@@ -86,14 +86,14 @@ def regenerate(rows: list[dict], tokenizer, model, max_new_tokens: int, batch_si
         for row in rows:
             spots = [i for i, t in enumerate(row["conversations"]) if t["role"] == "assistant"]
             if round_index < len(spots):
-                work.append((row, spots[round_index]))
-        work.sort(key=lambda item: item[1])  # similar lengths together: less padding
+                turn = spots[round_index]
+                work.append((row, turn, chat_prompt_ids(tokenizer, row["conversations"][:turn])))
+        work.sort(key=lambda item: len(item[2]))  # similar lengths together: less padding
         for start in range(0, len(work), batch_size):
             chunk = work[start:start + batch_size]
-            prompts = [chat_prompt_ids(tokenizer, row["conversations"][:turn]) for row, turn in chunk]
-            answers = greedy_generate(model, prompts, max_new_tokens, stops, pad,
-                                      temperature, generator)
-            for (row, turn), answer in zip(chunk, answers, strict=True):
+            answers = greedy_generate(model, [prompt for _, _, prompt in chunk], max_new_tokens,
+                                      stops, pad, temperature, generator, reserve=True)
+            for (row, turn, _), answer in zip(chunk, answers, strict=True):
                 finished = bool(answer) and answer[-1] in stops
                 text = tokenizer.decode(answer[:-1] if finished else answer,
                                         skip_special_tokens=True).strip()
@@ -137,7 +137,8 @@ def self_prompts(tokenizer, model, count: int, batch_size: int, known: list[dict
     drawn = 0
     while len(rows) < count:
         batch = greedy_generate(model, [prefix] * min(batch_size, 2 * (count - len(rows))),
-                                SELF_PROMPT_TOKENS, stops, pad, SELF_PROMPT_TEMPERATURE, generator)
+                                SELF_PROMPT_TOKENS, stops, pad, SELF_PROMPT_TEMPERATURE, generator,
+                                reserve=True)
         drawn += len(batch)
         before = len(rows)
         for answer in batch:

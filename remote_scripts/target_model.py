@@ -582,10 +582,63 @@ def use_grouped_attention(model) -> None:
     model.config._attn_implementation = GROUPED_ATTENTION
 
 
+def _reserved_cache(model, capacity: int):
+    """A DynamicCache whose layers write into key/value buffers of `capacity` positions reserved at
+    the first forward (greedy_generate's `reserve`): a decoding step writes its one position in
+    place, where DynamicLayer concatenates, copying the whole cache of every layer on every step.
+    The keys and values a layer returns are views of the written part, the same values. Dropping
+    batch rows (batch_select_indices) copies only the written part. None when a layer of the
+    model's cache is not a plain DynamicLayer (sliding windows): then greedy_generate concatenates.
+    """
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    class ReservedLayer(DynamicLayer):
+        length = 0
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+                batch, heads = key_states.shape[:2]
+                self.key_buffer = key_states.new_empty(batch, heads, capacity, key_states.shape[-1])
+                self.value_buffer = value_states.new_empty(batch, heads, capacity,
+                                                           value_states.shape[-1])
+            end = self.length + key_states.shape[-2]
+            if end > capacity:
+                raise RuntimeError(f"the reserved KV cache holds {capacity} positions, not {end}")
+            self.key_buffer[:, :, self.length:end] = key_states
+            self.value_buffer[:, :, self.length:end] = value_states
+            self.length = end
+            self.keys = self.key_buffer[:, :, :end]
+            self.values = self.value_buffer[:, :, :end]
+            return self.keys, self.values
+
+        def get_seq_length(self) -> int:
+            return self.length
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            if not self.is_initialized:
+                return
+            for name in ("key_buffer", "value_buffer"):
+                old = getattr(self, name)
+                new = old.new_empty(len(indices), *old.shape[1:])
+                new[:, :, :self.length] = old[:, :, :self.length].index_select(0, indices)
+                setattr(self, name, new)
+            self.keys = self.key_buffer[:, :, :self.length]
+            self.values = self.value_buffer[:, :, :self.length]
+
+    cache = DynamicCache(config=model.config)
+    if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
+        return None
+    cache.layers = [ReservedLayer() for _ in cache.layers]
+    return cache
+
+
 @torch.inference_mode()
 def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
                     pad_id: int = 0, temperature: float = 0.0,
-                    generator: torch.Generator | None = None) -> list[list[int]]:
+                    generator: torch.Generator | None = None,
+                    reserve: bool = False) -> list[list[int]]:
     """Plain greedy decoding with a KV cache: one target forward per new token.
 
     With `temperature` > 0 each token is drawn from the softmax of the logits / temperature
@@ -597,6 +650,13 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, stop_i
     answer leaves the batch (its rows of the KV cache too): the forwards after it cost only the
     answers still running (the batch runs as long as its longest answer, and a small model's
     greedy answers range from a few tokens to loops that run to the limit).
+
+    With `reserve` (regenerate_data.py's big batches) the KV cache is reserved up front
+    (_reserved_cache) and finished answers leave the batch only once a quarter of it has
+    finished: until then they ride along, their tokens dropped. Each step then writes one
+    position instead of copying the cache, and the cache is copied once per quarter of the batch
+    finishing, not at each step where one answer does. The answers are the same. eval_dflash.py's
+    plain decoding, the figure speculative decoding is checked against, keeps the default.
     """
     from transformers import DynamicCache
 
@@ -610,26 +670,32 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, stop_i
     input_ids, attention = input_ids.to(device), attention.to(device)
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
     stops = torch.tensor(stop_ids, device=device)
-    cache = DynamicCache(config=model.config)
+    cache = _reserved_cache(model, width + max_new_tokens) if reserve else None
+    if cache is None:
+        cache, reserve = DynamicCache(config=model.config), False
     logits = model(input_ids, attention_mask=attention, position_ids=positions,
                    past_key_values=cache, use_cache=True, logits_to_keep=1).logits
     answers: list[list[int]] = [[] for _ in prompts]
-    active = torch.arange(len(prompts), device=device)  # answers still running, in batch order
+    active = torch.arange(len(prompts), device=device)  # the batch's rows, in batch order
+    finished = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     for step in range(max_new_tokens):
         if temperature > 0:
             probs = torch.softmax(logits[:, -1].float() / temperature, dim=-1)
             token = torch.multinomial(probs, 1, generator=generator).squeeze(1)
         else:
             token = logits[:, -1].argmax(-1)
-        for row, value in zip(active.tolist(), token.tolist(), strict=True):
-            answers[row].append(value)
-        running = ~torch.isin(token, stops)
-        if not bool(running.any()) or step + 1 == max_new_tokens:
+        for row, value, done in zip(active.tolist(), token.tolist(), finished.tolist(),
+                                    strict=True):
+            if not done:
+                answers[row].append(value)
+        finished |= torch.isin(token, stops)
+        running = int((~finished).sum())
+        if not running or step + 1 == max_new_tokens:
             break
-        if not bool(running.all()):
-            keep = running.nonzero().squeeze(1)
+        if running < len(active) and (not reserve or running <= len(active) * 3 // 4):
+            keep = (~finished).nonzero().squeeze(1)
             cache.batch_select_indices(keep)
-            active, token = active[keep], token[keep]
+            active, token, finished = active[keep], token[keep], finished[keep]
             attention, positions = attention[keep], positions[keep]
         attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
         positions = positions[:, -1:] + 1

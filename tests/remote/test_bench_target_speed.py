@@ -24,5 +24,6 @@ def test_each_precision_is_reported_against_float32(tiny_target):
     assert all(rows), lines
     assert [r.group(1) for r in rows] == ["float32", "float32, TF32 matmuls", "bfloat16",
                                           "float32, grouped attention",
-                                          "bfloat16, grouped attention"]
+                                          "bfloat16, grouped attention",
+                                          "float32, grouped attention, reserved cache"]
     assert rows[0].group(2) == rows[0].group(3) == "1.00"

@@ -339,3 +339,35 @@ def test_bad_run_dir_and_checkpoint_exit_2_with_one_line(pipeline, tmp_path):
     assert len(done.stderr.strip().splitlines()) == 1
     done = evaluate(pipeline, "--checkpoint", "step-999999")
     assert done.returncode == 2 and "step-999999" in done.stderr
+
+
+def test_reserved_cache_decodes_the_same_answers_in_place(pipeline):
+    """greedy_generate(reserve=True), regenerate_data's decoding: the same answers as the default
+    (concatenating) cache, one key buffer per layer written in place from the first forward to the
+    last, and finished answers dropped only once a quarter of the batch has finished."""
+    from transformers.cache_utils import DynamicLayer
+
+    tokenizer, target = rd.load_target(pipeline["target"], "cpu", "float32")
+    prompts = eval_dflash.prompt_ids(tokenizer, pipeline["heldout"], 8)
+    free = rd.greedy_generate(target, prompts, 12, [])
+    stop = free[0][next(i for i in range(1, 12) if free[0][i] not in free[0][:i])]
+    plain = rd.greedy_generate(target, prompts, 12, [stop])
+    sizes, buffers = [], set()
+
+    def record(module, args, kwargs):
+        sizes.append(args[0].shape[0] if args else kwargs["input_ids"].shape[0])
+        layer = kwargs["past_key_values"].layers[0]
+        assert type(layer) is not DynamicLayer
+        if layer.is_initialized:
+            buffers.add(layer.key_buffer.data_ptr())
+    hook = target.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        reserved = rd.greedy_generate(target, prompts, 12, [stop], reserve=True)
+    finally:
+        hook.remove()
+    assert reserved == plain
+    finishing = sorted(len(a) for a in plain if a[-1] == stop)
+    assert finishing and len(sizes) == max(len(a) for a in plain)
+    drops = [i for i in range(1, len(sizes)) if sizes[i] < sizes[i - 1]]
+    assert all(sizes[i] <= sizes[i - 1] * 3 // 4 for i in drops)
+    assert len(buffers) == len(drops) + 1  # a new buffer only where the batch shrank

@@ -33,7 +33,9 @@ the tool.
 Decoding (`greedy_generate`, the plain decoding eval_dflash.py measures speculative decoding against) is
 target_model.py's; here with its grouped attention (`use_grouped_attention`: with a padding mask
 and fewer key/value heads than query heads, transformers' sdpa copies every key/value head per
-query head on each step; this path reads the KV cache as it is, with the same answers).
+query head on each step; this path reads the KV cache as it is, with the same answers) and its KV
+cache reserved up front (`reserve`: each step writes one position where transformers' cache
+concatenates the whole cache; finished answers leave the batch a quarter at a time).
 """
 
 from __future__ import annotations

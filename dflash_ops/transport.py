@@ -97,6 +97,15 @@ def linear_remote():
                 kept.append(data)
             buffer_[:] = kept
 
+        def kill(self):
+            # Invoke's timer calls this when the deadline passes (nothing else does). Said on the
+            # connection before the channel closes: invoke's own `timed_out` reads whether the timer
+            # thread is still alive, and the exit status that ending the command produces (the
+            # session's end is its SIGTERM: 143) can come back while that thread is (a loaded
+            # 2-core machine: `invoke exec` exited 143, not 13).
+            self.context.deadline_passed = True
+            super().kill()
+
         def read_proc_output(self, reader):
             decoder = codecs.getincrementaldecoder(self.encoding)("replace")
             limit, size = getattr(self.context, "output_limit", None), 0
@@ -414,7 +423,7 @@ class HostSession:
         conn = self.connect()
         self.round_trips += 1
         conn.output_limit = limit  # read by linear_remote's reader threads
-        started = time.monotonic()
+        conn.deadline_passed = False  # set by linear_remote's kill: the timer ended the command
         try:
             r = conn.run(line, hide=hide, warn=True, pty=pty, timeout=timeout,
                          # stdin is polled byte by byte: files go over SFTP instead; only a shell gets it
@@ -431,8 +440,9 @@ class HostSession:
             self._conn = None
             raise HostUnreachable(f"connection to {self.host.name} lost: "
                                   f"{exc or type(exc).__name__}") from None
-        if r.exited == -1 and timeout is not None and time.monotonic() - started >= timeout:
-            # the runner's timer closed the channel: no exit status, and not a lost connection
+        if conn.deadline_passed:
+            # the runner's timer closed the channel: whatever exit status came back, if any, is the
+            # ending's (no status at all is not a lost connection either)
             raise TimedOut(f"{self.host.name}: command timed out after {timeout:g} s: "
                                       f"{self.shown(line)[:200]}")
         return Result(line=line, stdout=r.stdout, stderr=r.stderr, exited=r.exited)

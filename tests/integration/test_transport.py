@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,42 @@ def test_command_runs_in_the_container_with_the_env_and_cwd_asked_for(inv):
     assert env == ["ONLY=1"]
     assert s.connections == 1 and s.round_trips == 2
     s.close()
+
+
+def test_a_command_its_deadline_ended_is_a_timeout_whatever_exit_status_comes_back(inv, monkeypatch):
+    """The exit status that ending a command produces (the session's end: SIGTERM, 143) may come back
+    before invoke's timer thread is done, and invoke's own "timed out" reads that thread's liveness:
+    on a loaded 2-core machine `invoke exec` once exited 143 instead of 13. Here the timer thread
+    stays alive until the status is back, and the runner waits for the status: still TimedOut."""
+    runner = transport.linear_remote()
+    kill, got = runner.kill, threading.Event()
+
+    def status_back(channel) -> bool:
+        for _ in range(200):  # 10 s at most
+            if channel.exit_status != -1:
+                return True
+            time.sleep(0.05)
+        return False
+
+    def slow_kill(self):  # the timer thread, descheduled once it has closed the channel
+        kill(self)
+        if status_back(self.channel):
+            got.set()
+        time.sleep(1)
+
+    def returncode(self):  # the main thread, once the ending's status is back
+        status_back(self.channel)
+        return self.channel.exit_status
+    monkeypatch.setattr(runner, "kill", slow_kill)
+    monkeypatch.setattr(runner, "returncode", returncode)
+    s = session(inv)
+    s.own_connection()
+    try:
+        with pytest.raises(errors.TimedOut, match="timed out after 1 s"):
+            s.exec(inv.container(200), ["sh", "-c", "exec sleep 4244"], timeout=1, check=False)
+        assert got.wait(15)  # the race happened: a status came back after the channel closed
+    finally:
+        s.close()
 
 
 def test_multibyte_characters_cut_by_a_read_arrive_whole(inv):

@@ -655,8 +655,10 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, stop_i
     (_reserved_cache) and finished answers leave the batch only once a quarter of it has
     finished: until then they ride along, their tokens dropped. Each step then writes one
     position instead of copying the cache, and the cache is copied once per quarter of the batch
-    finishing, not at each step where one answer does. The answers are the same. eval_dflash.py's
-    plain decoding, the figure speculative decoding is checked against, keeps the default.
+    finishing, not at each step where one answer does. Greedy answers are the same; sampled ones
+    (`temperature` > 0) come from the same distributions, but a seed gives other draws than without
+    `reserve` (the riding answers draw too). eval_dflash.py's plain decoding, the figure
+    speculative decoding is checked against, keeps the default.
     """
     from transformers import DynamicCache
 

@@ -525,12 +525,14 @@ def plan(t, write=None, config=None, set=None, json=False, ct=None, inventory=No
     "seed": "seed of --samples and --self-prompts (default 0)",
     "self_prompts": "the first file also gains N prompts the target writes itself (Magpie), each new "
                     "to every --src (default 0)",
+    "lead_words": "each --self-prompts prompt opens with the first 1..K words of a human-written "
+                  "prompt of the first file (default 0: the chat template alone)",
     "extend": "the --src files are this target's regenerated output already (their provenance says "
               "so): keep their rows, answer only the new --self-prompts (a --seed not used before)",
     "timeout": timeout_help("regenerate")})
 def regenerate(t, src=None, out_dir=None, max_new_tokens=None, limit=None, batch_size=None, device=None,
-               target=None, samples=None, temperature=None, seed=None, self_prompts=None, extend=False,
-               json=False, ct=None, inventory=None, dry_run=False, timeout=None):
+               target=None, samples=None, temperature=None, seed=None, self_prompts=None, lead_words=None,
+               extend=False, json=False, ct=None, inventory=None, dry_run=False, timeout=None):
     """Rewrite a dataset's assistant turns with the target's own greedy answers, in the container.
 
     A drafter is scored on how often it guesses what the target says, so it should learn from what
@@ -539,7 +541,8 @@ def regenerate(t, src=None, out_dir=None, max_new_tokens=None, limit=None, batch
     result, e.g. `invoke train --set data.train=/root/data/train.jsonl --set
     data.heldout=/root/data/heldout.jsonl` (the paths this task prints). A small target given few
     prompts: --samples K answers each training prompt K more times by sampling, --self-prompts N
-    adds N prompts the target writes itself; the held-out file stays greedy and untouched.
+    adds N prompts the target writes itself (--lead-words K: each opening with the first words of
+    a human-written one); the held-out file stays greedy and untouched.
     --extend grows files this task wrote before by --self-prompts N more, answering only those.
     """
     from dflash_ops import evaluate
@@ -547,7 +550,8 @@ def regenerate(t, src=None, out_dir=None, max_new_tokens=None, limit=None, batch
     return evaluate.regenerate(t, sources=src or (), out_dir=out_dir, max_new_tokens=max_new_tokens,
                                limit=limit, batch_size=batch_size, device=device, target=target,
                                samples=samples, temperature=temperature, seed=seed,
-                               self_prompts=self_prompts, extend=bool(extend), timeout=timeout)
+                               self_prompts=self_prompts, lead_words=lead_words, extend=bool(extend),
+                               timeout=timeout)
 
 
 @op_task(help={"run": "run name (default: the latest run); several, comma-separated (a,b), are overlaid",

@@ -356,7 +356,8 @@ def reports_errors(fn):
 NUMERIC_FLAGS = {"max_steps": int, "rdzv_port": int, "num_prompts": int, "max_new_tokens": int, "limit": int,
                  "max_restarts": int, "batch_size": int, "hosts": int, "grace": float, "stall_after": float,
                  "interval": float, "keep": int, "hang_after": float, "every": float, "timeout": float,
-                 "samples": int, "temperature": float, "seed": int, "self_prompts": int}
+                 "samples": int, "temperature": float, "seed": int, "self_prompts": int,
+                 "lead_words": int}
 
 
 def parse_numbers(fn):

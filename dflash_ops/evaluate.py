@@ -63,15 +63,20 @@ def regenerate_argv(ct: Container, sources: Sequence[str] = (), out_dir: str | N
                     batch_size: int | None = None, device: str | None = None,
                     dtype: str | None = None, target: str | None = None, samples: int | None = None,
                     temperature: float | None = None, seed: int | None = None,
-                    self_prompts: int | None = None, extend: bool = False) -> tuple[list[str], list[str]]:
+                    self_prompts: int | None = None, extend: bool = False,
+                    lead_words: int | None = None) -> tuple[list[str], list[str]]:
     """Pure: (argv, output paths). Each source (relative paths: under paths.code; any format the
     payload reads, a directory of shards too) is written to out_dir/<its name>.jsonl; out_dir defaults to
     `data/` beside paths.runs; target to paths.model. samples, temperature, seed and self_prompts
-    apply to the first source (the training split); extend: the sources are this target's answers
-    already, kept, and only the new self prompts are answered."""
-    for name, value in (("samples", samples), ("self-prompts", self_prompts)):
+    apply to the first source (the training split); lead_words K: each self prompt opens with the
+    first 1..K words of one of its human-written prompts; extend: the sources are this target's
+    answers already, kept, and only the new self prompts are answered."""
+    for name, value in (("samples", samples), ("self-prompts", self_prompts),
+                        ("lead-words", lead_words)):
         if value is not None and int(value) < 0:
             raise UsageError(f"--{name} {value}: must be >= 0")
+    if lead_words and not self_prompts:
+        raise UsageError(f"--lead-words {lead_words}: goes with --self-prompts N")
     if temperature is not None and not float(temperature) > 0:
         raise UsageError(f"--temperature {temperature}: must be > 0")
     sources = [s if s.startswith("/") else f"{ct.paths.code}/{s}" for s in (sources or DEFAULT_SOURCES)]
@@ -85,7 +90,8 @@ def regenerate_argv(ct: Container, sources: Sequence[str] = (), out_dir: str | N
             f"--device={device}", f"--dtype={dtype}", *_option("max-new-tokens", max_new_tokens),
             *_option("limit", limit), *_option("batch-size", batch_size), *_option("samples", samples),
             *_option("temperature", temperature), *_option("seed", seed),
-            *_option("self-prompts", self_prompts), *(["--extend"] if extend else [])]
+            *_option("self-prompts", self_prompts), *_option("lead-words", lead_words),
+            *(["--extend"] if extend else [])]
     for source, output in zip(sources, outputs, strict=True):
         argv += [f"--in={source}", f"--out={output}"]
     return argv, outputs

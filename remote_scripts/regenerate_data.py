@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import sys
 import time
 
@@ -126,27 +127,51 @@ def user_turn_prefix(tokenizer) -> list[int]:
     return tokenizer(text[:text.index(marker)], add_special_tokens=False)["input_ids"]
 
 
+def lead_texts(rows: list[dict]) -> list[str]:
+    """The first user turn of each human-written row (not one of our self prompts), stripped:
+    what --lead-words takes its openings from."""
+    texts = []
+    for row in rows:
+        first = next((t["content"] for t in row["conversations"] if t["role"] == "user"), "")
+        if not row["id"].startswith("self-") and first.strip():
+            texts.append(first.strip())
+    return texts
+
+
 def self_prompts(tokenizer, model, count: int, batch_size: int, known: list[dict], seed: int,
-                 log=print) -> list[dict]:
+                 log=print, leads: list[str] | None = None, lead_words: int = 0) -> list[dict]:
     """`count` user prompts sampled from the target (user_turn_prefix), each new: its prompt_key
     is in none of `known` rows nor among the others. Rows with an empty assistant turn to
-    answer. Stops early (fewer rows, said in the log) once a whole batch brings nothing new."""
+    answer. Stops early (fewer rows, said in the log) once a whole batch brings nothing new.
+    With `lead_words` > 0 each draw begins with the first 1 to `lead_words` words (uniformly) of
+    one of `leads` (drawn uniformly, seeded by `seed`) and the target writes the rest: prompts
+    that open like the human ones (their questions, their length) rather than like the target's
+    favourite few openings."""
+    if lead_words and not leads:
+        raise DataError("--lead-words: the training input has no human-written prompt to lead with")
     stops, pad = _stops_and_pad(tokenizer, model)
     prefix = user_turn_prefix(tokenizer)
     generator = torch.Generator(device=model.device).manual_seed(seed)
+    chooser = random.Random(seed)
     seen = {prompt_key(row["conversations"]) for row in known}
     rows: list[dict] = []
     drawn = 0
     while len(rows) < count:
-        batch = greedy_generate(model, [prefix] * min(batch_size, 2 * (count - len(rows))),
-                                SELF_PROMPT_TOKENS, stops, pad, SELF_PROMPT_TEMPERATURE, generator,
-                                reserve=True)
+        size = min(batch_size, 2 * (count - len(rows)))
+        openings = [""] * size
+        if lead_words:
+            openings = [" ".join(chooser.choice(leads).split()[:chooser.randint(1, lead_words)])
+                        for _ in range(size)]
+        prompts = [prefix + (tokenizer(opening, add_special_tokens=False)["input_ids"]
+                             if opening else []) for opening in openings]
+        batch = greedy_generate(model, prompts, SELF_PROMPT_TOKENS, stops, pad,
+                                SELF_PROMPT_TEMPERATURE, generator, reserve=True)
         drawn += len(batch)
         before = len(rows)
-        for answer in batch:
+        for opening, answer in zip(openings, batch, strict=True):
             if not answer or answer[-1] not in stops or len(rows) == count:
                 continue
-            text = tokenizer.decode(answer[:-1], skip_special_tokens=True).strip()
+            text = (opening + tokenizer.decode(answer[:-1], skip_special_tokens=True)).strip()
             turns = [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
             if text and (key := prompt_key(turns)) not in seen:
                 seen.add(key)
@@ -221,6 +246,9 @@ def main() -> int:
                         help="seed of --samples and --self-prompts (default 0)")
     parser.add_argument("--self-prompts", type=int, default=0, metavar="N",
                         help="the first pair also gains N prompts the target writes (default 0)")
+    parser.add_argument("--lead-words", type=int, default=0, metavar="K",
+                        help="each self prompt opens with the first 1..K words of a human-written "
+                             "training prompt (default 0: the template alone)")
     parser.add_argument("--extend", action="store_true",
                         help="the inputs are this target's answers already: keep them, answer only "
                              "the new self prompts")
@@ -231,6 +259,8 @@ def main() -> int:
         parser.error("--samples must be >= 0, and --temperature > 0 with it")
     if args.self_prompts < 0:
         parser.error("--self-prompts must be >= 0")
+    if args.lead_words < 0 or (args.lead_words and not args.self_prompts):
+        parser.error("--lead-words must be >= 0, and goes with --self-prompts")
     if args.extend and (args.samples or args.limit):
         parser.error("--extend keeps its inputs whole and answered: not with --samples or --limit")
     try:
@@ -244,7 +274,8 @@ def main() -> int:
         if args.self_prompts:
             inputs[0] += self_prompts(tokenizer, model, args.self_prompts, args.batch_size,
                                       [row for rows in inputs for row in rows], args.seed,
-                                      log=lambda line: print(line, flush=True))
+                                      log=lambda line: print(line, flush=True),
+                                      leads=lead_texts(inputs[0]), lead_words=args.lead_words)
     except (DataError, TargetLoadError) as exc:
         print(f"regenerate_data: error: {exc}", file=sys.stderr)
         return 2
@@ -258,6 +289,8 @@ def main() -> int:
         if pair == 0 and args.self_prompts:
             settings.update(self_prompts=args.self_prompts, seed=args.seed,
                             self_prompt_temperature=SELF_PROMPT_TEMPERATURE)
+            if args.lead_words:
+                settings.update(lead_words=args.lead_words)
         started = time.perf_counter()
         fresh = rows[kept[pair]["rows"]:] if kept[pair] else rows
         stats = regenerate(fresh, tokenizer, model, args.max_new_tokens, args.batch_size,
@@ -277,7 +310,8 @@ def main() -> int:
             settings = {**record["settings"], "extensions": [
                 *record["settings"].get("extensions", []),
                 {"self_prompts": args.self_prompts if pair == 0 else 0, "seed": args.seed,
-                 "rows": len(fresh), "device": args.device}]}
+                 "rows": len(fresh), "device": args.device,
+                 **({"lead_words": args.lead_words} if pair == 0 and args.lead_words else {})}]}
             source = record.get("source", source)
             counts = {k: int(record["counts"].get(k, 0)) + counts[k] for k in counts}
         write_rows(rows, out)

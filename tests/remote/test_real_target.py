@@ -189,6 +189,57 @@ def test_self_prompts_are_smollm2s_own_new_prompts_answered_like_the_rest(smollm
 
 
 @needs_smollm2
+def test_lead_words_open_each_self_prompt_with_a_human_prompts_first_words(smollm2, tmp_path):
+    """--lead-words K: each self prompt begins with the first 1..K words of a human-written prompt
+    of the training input (never of a self prompt, never of the held-out split), SmolLM2 writes
+    the rest; the same seed gives the same prompts; recorded in the provenance, extensions too.
+    Without --self-prompts, or with no human prompt to lead with: one line, exit 2."""
+    import regenerate_data as rd
+
+    tokenizer, model = rd.load_target(smollm2, "cpu", "float32")
+    humans = [{"id": "h1", "conversations": [{"role": "user", "content": "Which actress won four Oscars"}]},
+              {"id": "h2", "conversations": [{"role": "user", "content": "  Tell me a joke about cats"}]},
+              {"id": "self-1-0", "conversations": [{"role": "user", "content": "Zebra zygote zone"}]}]
+    assert rd.lead_texts(humans) == ["Which actress won four Oscars", "Tell me a joke about cats"]
+    openings = {" ".join(text.split()[:n]) for text in rd.lead_texts(humans) for n in (1, 2)}
+    made = rd.self_prompts(tokenizer, model, 6, 8, humans, seed=2, log=lambda line: None,
+                           leads=rd.lead_texts(humans), lead_words=2)
+    assert len(made) == 6
+    for row in made:  # never the self prompt's words, nor the leading spaces
+        assert any(row["conversations"][0]["content"].startswith(o) for o in openings), row
+    assert any(len(r["conversations"][0]["content"].split()) > 2 for r in made)  # SmolLM2 went on
+    assert rd.self_prompts(tokenizer, model, 6, 8, humans, seed=2, log=lambda line: None,
+                           leads=rd.lead_texts(humans), lead_words=2) == made
+    with pytest.raises(rd.DataError, match="no human-written prompt to lead with"):
+        rd.self_prompts(tokenizer, model, 2, 8, [], seed=2, leads=[], lead_words=2)
+
+    source = os.path.join(DATA, "heldout.jsonl")
+    first, second = str(tmp_path / "first.jsonl"), str(tmp_path / "second.jsonl")
+
+    def regenerate(src, out, *extra):
+        return run_script("regenerate_data.py", "--target", smollm2, "--max-new-tokens", "4",
+                          "--batch-size", "8", *extra, "--in", src, "--out", out)
+
+    done = regenerate(source, first, "--limit", "3", "--self-prompts", "4", "--seed", "6",
+                      "--lead-words", "1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = rd.read_rows(first)
+    leads = tuple(text.split()[0] for text in rd.lead_texts(rows[:3]))
+    assert all(r["conversations"][0]["content"].startswith(leads) for r in rows[3:])
+    assert json.load(open(first + ".provenance.json"))["settings"]["lead_words"] == 1
+    grown = regenerate(first, second, "--extend", "--self-prompts", "2", "--seed", "8",
+                       "--lead-words", "3")
+    assert grown.returncode == 0, grown.stderr[-3000:]
+    extension = json.load(open(second + ".provenance.json"))["settings"]["extensions"]
+    assert extension == [{"self_prompts": 2, "seed": 8, "rows": 2, "device": "cpu", "lead_words": 3}]
+    assert all(r["conversations"][0]["content"].startswith(leads) for r in rd.read_rows(second)[7:])
+    refused = regenerate(source, str(tmp_path / "no.jsonl"), "--lead-words", "2")
+    assert refused.returncode == 2
+    assert refused.stderr.splitlines()[-1].endswith("--lead-words must be >= 0, and goes with --self-prompts")
+    assert not os.path.exists(tmp_path / "no.jsonl")
+
+
+@needs_smollm2
 def test_extend_keeps_the_set_made_before_and_answers_only_new_self_prompts(smollm2, tmp_path):
     """--extend: a regenerated set grows by new self prompts without being answered again; the
     record adds them to the old settings and counts. An input this target did not answer with

@@ -256,8 +256,14 @@ def test_regenerate_argv_passes_samples_and_self_prompts_and_refuses_bad_ones(in
                                        seed=1, self_prompts=9, extend=True)
     assert argv[5:] == ["--seed=1", "--self-prompts=9", "--extend", "--in=/o/a.jsonl",
                         "--out=/p/a.jsonl"]
+    argv, _ = evaluate.regenerate_argv(inv.container(201), sources=["/x/a.jsonl"], out_dir="/o",
+                                       seed=2, self_prompts=30000, lead_words=3)
+    assert argv[5:] == ["--seed=2", "--self-prompts=30000", "--lead-words=3", "--in=/x/a.jsonl",
+                        "--out=/o/a.jsonl"]
     for kwargs, message in (({"samples": -1}, "--samples -1: must be >= 0"),
                             ({"self_prompts": -2}, "--self-prompts -2: must be >= 0"),
+                            ({"self_prompts": 5, "lead_words": -1}, "--lead-words -1: must be >= 0"),
+                            ({"lead_words": 2}, "--lead-words 2: goes with --self-prompts N"),
                             ({"temperature": 0.0}, "--temperature 0.0: must be > 0")):
         with pytest.raises(UsageError, match=message):
             evaluate.regenerate_argv(inv.container(201), **kwargs)

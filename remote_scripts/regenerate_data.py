@@ -2,8 +2,8 @@
 
     python regenerate_data.py --target DIR --in DATA --out JSONL [--in DATA --out JSONL ...]
         [--max-new-tokens 256] [--batch-size 32] [--device cpu] [--dtype float32] [--limit N]
-        [--max-bad-fraction 0.05] [--samples K --temperature T --seed S] [--self-prompts N]
-        [--extend]
+        [--max-bad-fraction 0.05] [--samples K --temperature T --seed S] [--self-prompts N
+        [--lead-words K]] [--extend]
 
 A drafter is scored by how often it predicts what the target says, so it must be trained on what the
 target says (SpecForge's regenerate_train_data.py does the same). Turn by turn: each assistant turn
@@ -17,7 +17,12 @@ also gains N user prompts the target writes itself (Magpie: the chat template re
 user's words begin, sampled from there at temperature 1 until the end of the turn), each distinct
 from every prompt of every --in (held-out ones included) and from each other, ids `self-<seed>-<n>`;
 they are then answered like the rest. A small instruction-tuned target given a thousand human
-prompts over-fits them; its own prompts are many more from the same model. --extend grows a set
+prompts over-fits them; its own prompts are many more from the same model. They open the way
+the model likes to open (SmolLM2: mostly "How can I", "Can you", "What are"), not the way the
+human prompts do ("When will you", "Which actress", "you sound"); with --lead-words K each one
+starts instead from the first 1 to K words (uniformly) of a human-written prompt of the first
+--in (drawn uniformly, seeded by --seed; never a self prompt's, never the held-out split's), and
+the target writes the rest. --extend grows a set
 made before instead of remaking it: every --in must be this script's output for this target, with
 the same --max-new-tokens and --dtype (its provenance record says so; else one line and nothing
 written). Its rows are kept as they are and only the new self prompts are answered (a new --seed:

@@ -18,8 +18,9 @@ user's words begin, sampled from there at temperature 1 until the end of the tur
 from every prompt of every --in (held-out ones included) and from each other, ids `self-<seed>-<n>`;
 they are then answered like the rest. A small instruction-tuned target given a thousand human
 prompts over-fits them; its own prompts are many more from the same model. They open the way
-the model likes to open (SmolLM2: mostly "How can I", "Can you", "What are"), not the way the
-human prompts do ("When will you", "Which actress", "you sound"); with --lead-words K each one
+the model likes to open (SmolLM2: "Can you" begins 29% of 31,035, then "I'm planning", "I'm
+considering"), not the way the human prompts do ("What is", "can you", "you are", "How do");
+with --lead-words K each one
 starts instead from the first 1 to K words (uniformly) of a human-written prompt of the first
 --in (drawn uniformly, seeded by --seed; never a self prompt's, never the held-out split's), and
 the target writes the rest. --extend grows a set

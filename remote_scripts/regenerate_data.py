@@ -20,11 +20,10 @@ they are then answered like the rest. A small instruction-tuned target given a t
 prompts over-fits them; its own prompts are many more from the same model. They open the way
 the model likes to open (SmolLM2: "Can you" begins 29% of 31,035, then "I'm planning", "I'm
 considering"), not the way the human prompts do ("What is", "can you", "you are", "How do");
-with --lead-words K each one
-starts instead from the first 1 to K words (uniformly) of a human-written prompt of the first
---in (drawn uniformly, seeded by --seed; never a self prompt's, never the held-out split's), and
-the target writes the rest. --extend grows a set
-made before instead of remaking it: every --in must be this script's output for this target, with
+with --lead-words K each one starts instead from the first 1 to K words (uniformly) of a
+human-written prompt of the first --in (drawn uniformly, seeded by --seed; never a self prompt's,
+never the held-out split's), and the target writes the rest. --extend grows a set made before
+instead of remaking it: every --in must be this script's output for this target, with
 the same --max-new-tokens and --dtype (its provenance record says so; else one line and nothing
 written). Its rows are kept as they are and only the new self prompts are answered (a new --seed:
 one already used is refused), and the record adds them to the old one's settings and counts.

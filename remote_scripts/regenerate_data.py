@@ -132,13 +132,19 @@ def user_turn_prefix(tokenizer) -> list[int]:
     return tokenizer(text[:text.index(marker)], add_special_tokens=False)["input_ids"]
 
 
+def self_id(seed: int | None = None) -> str:
+    """The id prefix of the self prompts --seed `seed` writes (`self-<seed>-<n>`); of any seed's
+    when None: how a row the target wrote is told from a human-written one."""
+    return "self-" if seed is None else f"self-{seed}-"
+
+
 def lead_texts(rows: list[dict]) -> list[str]:
     """The first user turn of each human-written row (not one of our self prompts), stripped:
     what --lead-words takes its openings from."""
     texts = []
     for row in rows:
         first = next((t["content"] for t in row["conversations"] if t["role"] == "user"), "")
-        if not row["id"].startswith("self-") and first.strip():
+        if not row["id"].startswith(self_id()) and first.strip():
             texts.append(first.strip())
     return texts
 
@@ -180,7 +186,7 @@ def self_prompts(tokenizer, model, count: int, batch_size: int, known: list[dict
             turns = [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
             if text and (key := prompt_key(turns)) not in seen:
                 seen.add(key)
-                rows.append({"id": f"self-{seed}-{len(rows)}", "conversations": turns})
+                rows.append({"id": f"{self_id(seed)}{len(rows)}", "conversations": turns})
         if len(rows) == before:
             break
     log(f"self prompts: {len(rows)} new of {drawn} drawn")
@@ -212,7 +218,7 @@ def extended_record(source: str, rows: list[dict], args) -> dict:
     if record["counts"].get("rows") != len(rows):
         raise DataError(f"--extend: {name} has {len(rows)} rows, its record "
                         f"{record['counts'].get('rows')}: not the file the record describes")
-    if args.self_prompts and any(row["id"].startswith(f"self-{args.seed}-") for row in rows):
+    if args.self_prompts and any(row["id"].startswith(self_id(args.seed)) for row in rows):
         raise DataError(f"--extend: {name} has self prompts of --seed {args.seed} already: "
                         "give another seed")
     return {"record": record, "rows": len(rows)}

@@ -11,7 +11,8 @@ forward per token) and speculatively with `dflash.model.dflash_generate`. Prompt
 held-out file only: any whose prompt also appears in the run's training data is skipped (and
 counted). Reports whether every speculative output equals
 the plain one (lossless), the mean acceptance length (tokens a verification step yields, the bonus token
-included, as dflash's own stats count it), tokens per target forward, and the wall-clock speedup.
+included, as dflash's own stats count it), tokens per target forward, the wall-clock speedup, and
+each prompt's new tokens and verification steps (per_prompt: which answers ran to the limit).
 Writes RUN/eval.json (atomically) and appends the same record to RUN/evals.jsonl; the last stdout
 line is `RESULT <json>`. Exit 0; 3 if the outputs differ (not lossless); 2 on bad input.
 
@@ -177,7 +178,7 @@ def evaluate(drafter, target, prompts, max_new_tokens: int, stops: list[int], de
         dflash_generate(drafter, target, torch.tensor([prompts[0]], device=device),
                         max_new_tokens, stops)
         totals = dict(plain_s=0.0, spec_s=0.0, plain_forwards=0, spec_forwards=0, tokens=0)
-        steps, mismatches, divergence = [], [], []
+        steps, mismatches, divergence, per_prompt = [], [], [], []
         for index, prompt in enumerate(prompts):
             counter.reset()
             start = _now(device)
@@ -197,7 +198,9 @@ def evaluate(drafter, target, prompts, max_new_tokens: int, stops: list[int], de
                 divergence.append(next((i for i, (a, b) in enumerate(zip(spec, plain, strict=False))
                                         if a != b),
                                        min(len(spec), len(plain))))
-            steps += step_lengths(counter.cache_lengths, len(prompt), len(spec))
+            produced = step_lengths(counter.cache_lengths, len(prompt), len(spec))
+            steps += produced
+            per_prompt.append([len(spec), len(produced)])
             totals["tokens"] += len(spec)
     finally:
         counter.close()
@@ -215,6 +218,7 @@ def evaluate(drafter, target, prompts, max_new_tokens: int, stops: list[int], de
         "new_tokens": totals["tokens"],
         "target_forwards": {"plain": totals["plain_forwards"], "spec": totals["spec_forwards"]},
         "verify_steps": len(steps),
+        "per_prompt": per_prompt,  # [new tokens, verification steps] of each prompt, in order
     }
 
 

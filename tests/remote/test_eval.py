@@ -93,6 +93,10 @@ def test_eval_is_lossless_and_the_trained_drafter_accepts_more_than_one_token(pi
     assert record["tokens_per_target_forward"] > 1.0
     # every verification step is accounted for: the histogram covers them all
     assert sum(record["acceptance_histogram"]) == record["verify_steps"]
+    # and each prompt's share: its new tokens and its steps, summing to the totals
+    assert len(record["per_prompt"]) == record["prompts"]
+    assert sum(t for t, _ in record["per_prompt"]) == record["new_tokens"]
+    assert sum(s for _, s in record["per_prompt"]) == record["verify_steps"]
     assert record["target_forwards"]["spec"] < record["target_forwards"]["plain"]
     with open(os.path.join(pipeline["run"], "eval.json")) as f:
         assert json.load(f) == record

@@ -241,4 +241,28 @@ def describe(record: dict) -> str:
         f"speedup             {record['speedup']:.2f}x wall clock ({record['plain_tokens_per_s']:.1f} -> "
         f"{record['spec_tokens_per_s']:.1f} tokens/s)",
         "accepted per step   " + " ".join(f"{n}:{c}" for n, c in enumerate(hist, 1) if c),
+        *([f"at the limit        {limit}"] if (limit := at_limit(record)) else []),
     ])
+
+
+def at_limit(record: dict) -> str | None:
+    """How many answers ran to max_new_tokens, and the acceptance length on those and on the rest
+    (from per_prompt: each prompt's [new tokens, verification steps]; a prompt's first token comes
+    from the prefill, its others from its steps). A long answer of a small model often repeats
+    itself, which a drafter predicts well: this shows how much of the mean comes from them. None
+    when the record has no usable per_prompt."""
+    rows, limit = record.get("per_prompt"), record.get("max_new_tokens")
+    if not isinstance(rows, list) or not rows or type(limit) is not int:
+        return None
+    if not all(isinstance(row, list) and len(row) == 2 and all(type(n) is int and n >= 0 for n in row)
+               for row in rows):
+        return None
+
+    def mean(part):
+        steps = sum(s for _, s in part)
+        return f"{sum(max(t - 1, 0) for t, _ in part) / steps:.2f}" if steps else "-"
+
+    full = [row for row in rows if row[0] >= limit]
+    rest = [row for row in rows if row[0] < limit]
+    return (f"{len(full)} of {len(rows)} answers reached {limit} new tokens (acceptance length "
+            f"{mean(full)} on those, {mean(rest)} on the rest)")

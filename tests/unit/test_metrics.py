@@ -303,6 +303,13 @@ def test_describe_names_every_number():
     for part in ("lossless            yes", "acceptance length   2.50", "(block size 8)", "2.20",
                  "45 target forwards vs 100 plain", "1.30x", "1:10 3:5"):
         assert part in text
+    assert "at the limit" not in text  # a record without per_prompt (an older eval_dflash.py)
+    # per_prompt: [new tokens, steps]; the first token of each answer comes from the prefill
+    long = dict(record, per_prompt=[[32, 8], [32, 11], [11, 5], [5, 4], [1, 0]])
+    assert ("at the limit        2 of 5 answers reached 32 new tokens (acceptance length 3.26 on "
+            "those, 1.56 on the rest)") in evaluate.describe(long)
+    for junk in ([[32, 8], [32]], [[32, "8"]], [[-1, 0]], "32,8", [[True, 1]]):
+        assert "at the limit" not in evaluate.describe(dict(record, per_prompt=junk))
     broken = dict(record, lossless=False, mismatched_prompts=[1, 3], first_divergence=[0, 17])
     assert "lossless            NO: prompts [1, 3] differ from token [0, 17] on" in evaluate.describe(broken)
 

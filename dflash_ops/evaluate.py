@@ -248,9 +248,10 @@ def describe(record: dict) -> str:
 def at_limit(record: dict) -> str | None:
     """How many answers ran to max_new_tokens, and the acceptance length on those and on the rest
     (from per_prompt: each prompt's [new tokens, verification steps]; a prompt's first token comes
-    from the prefill, its others from its steps). A long answer of a small model often repeats
-    itself, which a drafter predicts well: this shows how much of the mean comes from them. None
-    when the record has no usable per_prompt."""
+    from the prefill, its others from its steps). Answers that run to the limit can score unlike
+    the rest (a small model restating itself; text past the lengths the drafter was trained on):
+    this shows how much of the mean comes from them. None when the record has no usable
+    per_prompt."""
     rows, limit = record.get("per_prompt"), record.get("max_new_tokens")
     if not isinstance(rows, list) or not rows or type(limit) is not int:
         return None

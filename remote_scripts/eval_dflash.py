@@ -177,7 +177,7 @@ def evaluate(drafter, target, prompts, max_new_tokens: int, stops: list[int], de
         target_model.greedy_generate(target, prompts[:1], max_new_tokens, stops)
         dflash_generate(drafter, target, torch.tensor([prompts[0]], device=device),
                         max_new_tokens, stops)
-        totals = dict(plain_s=0.0, spec_s=0.0, plain_forwards=0, spec_forwards=0, tokens=0)
+        totals = dict(plain_s=0.0, spec_s=0.0, plain_forwards=0, spec_forwards=0)
         steps, mismatches, divergence, per_prompt = [], [], [], []
         for index, prompt in enumerate(prompts):
             counter.reset()
@@ -201,21 +201,21 @@ def evaluate(drafter, target, prompts, max_new_tokens: int, stops: list[int], de
             produced = step_lengths(counter.cache_lengths, len(prompt), len(spec))
             steps += produced
             per_prompt.append([len(spec), len(produced)])
-            totals["tokens"] += len(spec)
     finally:
         counter.close()
     block_size = drafter.block_size
+    tokens = sum(new for new, _ in per_prompt)
     return {
         "lossless": not mismatches,
         "mismatched_prompts": mismatches,
         "first_divergence": divergence,  # per mismatched prompt: index of the first differing token
         "acceptance_length": sum(steps) / max(len(steps), 1),
         "acceptance_histogram": [steps.count(n) for n in range(1, block_size + 1)],
-        "tokens_per_target_forward": totals["tokens"] / max(totals["spec_forwards"], 1),
+        "tokens_per_target_forward": tokens / max(totals["spec_forwards"], 1),
         "speedup": totals["plain_s"] / max(totals["spec_s"], 1e-9),
-        "plain_tokens_per_s": totals["tokens"] / max(totals["plain_s"], 1e-9),
-        "spec_tokens_per_s": totals["tokens"] / max(totals["spec_s"], 1e-9),
-        "new_tokens": totals["tokens"],
+        "plain_tokens_per_s": tokens / max(totals["plain_s"], 1e-9),
+        "spec_tokens_per_s": tokens / max(totals["spec_s"], 1e-9),
+        "new_tokens": tokens,
         "target_forwards": {"plain": totals["plain_forwards"], "spec": totals["spec_forwards"]},
         "verify_steps": len(steps),
         "per_prompt": per_prompt,  # [new tokens, verification steps] of each prompt, in order

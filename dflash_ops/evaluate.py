@@ -250,8 +250,8 @@ def at_limit(record: dict) -> str | None:
     (from per_prompt: each prompt's [new tokens, verification steps]; a prompt's first token comes
     from the prefill, its others from its steps). Answers that run to the limit can score unlike
     the rest (a small model restating itself; text past the lengths the drafter was trained on):
-    this shows how much of the mean comes from them. None when the record has no usable
-    per_prompt."""
+    this shows how much of the mean comes from them; the count alone when none or all of them did.
+    None when the record has no usable per_prompt."""
     rows, limit = record.get("per_prompt"), record.get("max_new_tokens")
     if not isinstance(rows, list) or not rows or type(limit) is not int:
         return None
@@ -265,5 +265,7 @@ def at_limit(record: dict) -> str | None:
 
     full = [row for row in rows if row[0] >= limit]
     rest = [row for row in rows if row[0] < limit]
+    if not full or not rest:  # one side empty: its mean is the record's own, the count says it all
+        return f"{len(full)} of {len(rows)} answers reached {limit} new tokens"
     return (f"{len(full)} of {len(rows)} answers reached {limit} new tokens (acceptance length "
             f"{mean(full)} on those, {mean(rest)} on the rest)")

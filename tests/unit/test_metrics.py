@@ -308,6 +308,11 @@ def test_describe_names_every_number():
     long = dict(record, per_prompt=[[32, 8], [32, 11], [11, 5], [5, 4], [1, 0]])
     assert ("at the limit        2 of 5 answers reached 32 new tokens (acceptance length 3.26 on "
             "those, 1.56 on the rest)") in evaluate.describe(long)
+    # no answer at the limit, or every one: a split with an empty side says nothing, the count alone
+    short = evaluate.describe(dict(record, per_prompt=[[11, 5], [5, 4]]))
+    assert "at the limit        0 of 2 answers reached 32 new tokens\n" in short + "\n"
+    assert "on those" not in short and "on the rest" not in short
+    assert "on the rest" not in evaluate.describe(dict(record, per_prompt=[[32, 8], [40, 9]]))
     for junk in ([[32, 8], [32]], [[32, "8"]], [[-1, 0]], "32,8", [[True, 1]]):
         assert "at the limit" not in evaluate.describe(dict(record, per_prompt=junk))
     broken = dict(record, lossless=False, mismatched_prompts=[1, 3], first_divergence=[0, 17])

@@ -362,6 +362,34 @@ def holds_runs_lock(pid, runs):
     return False
 
 
+ARGV_CAP = 4 << 20  # bytes of another process's command line read at most (a launch's holds the
+# packed helper and its JSON payload, which ship.argv sends as two arguments)
+LOADER_START = b"import base64,sys,zlib;_PACKED="  # how ship.LOADER begins (a unit test holds them equal)
+
+
+def lock_openers(runs, wanted):
+    """The argv (split on NUL, ARGV_CAP bytes read at most) of each process but this one whose argv
+    `wanted` accepts and that has `runs`'s lock file open: the one walk of /proc behind
+    lock_holder_run and launch_under_way. The argv is the process's own word, as good as what the
+    caller checks of it: holding the lock file is the proof."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        if int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read(ARGV_CAP).split(b"\0")
+        except OSError:
+            continue
+        if wanted(argv) and holds_runs_lock(pid, runs):
+            yield argv
+
+
+def _wrapper_of(argv, top):
+    """The `<top>/<name>/run.sh` among the first three arguments (a run's wrapper), or None."""
+    found = [a for a in argv[:3] if a.endswith(b"/run.sh") and os.path.dirname(os.path.dirname(a)) == top]
+    return found[0] if found else None
+
+
 def lock_holder_run(runs):
     """The run holding the runs lock, read from the lock's holders, never from `.current` (anyone in the
     container may write it): the run whose wrapper (`<runs>/<name>/run.sh` in its argv) has the lock
@@ -369,17 +397,32 @@ def lock_holder_run(runs):
     when no run holds it."""
     if lock_held(runs) != "exclusive":
         return None
-    top, names = os.path.normpath(runs).encode(), set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = f.read(65536).split(b"\0")[:3]
-        except OSError:
-            continue
-        wrapper = [a for a in argv if a.endswith(b"/run.sh") and os.path.dirname(os.path.dirname(a)) == top]
-        if wrapper and holds_runs_lock(pid, runs):
-            names.add(os.path.basename(os.path.dirname(wrapper[0])).decode("utf-8", "replace"))
+    top = os.path.normpath(runs).encode()
+    names = {os.path.basename(os.path.dirname(_wrapper_of(argv, top))).decode("utf-8", "replace")
+             for argv in lock_openers(runs, lambda argv: _wrapper_of(argv, top))}
     return names.pop() if len(names) == 1 else "?"
+
+
+def _launch_of(argv, top):
+    """Is `argv` ship.argv's `python -S -c LOADER <packed> launch <json>` for the runs at `top`?"""
+    if (len(argv) < 7 or argv[1:3] != [b"-S", b"-c"] or argv[5] != b"launch"
+            or not argv[3].startswith(LOADER_START)):
+        return False
+    try:
+        payload = json.loads(argv[6])
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(payload, dict) and isinstance(payload.get("runs"), str) \
+        and os.path.normpath(payload["runs"]) == top
+
+
+def launch_under_way(runs):
+    """Does a launch verb other than this process have `runs`'s lock file open: a launch between
+    taking the lock and its wrapper's start (its preflight runs then, and lock_holder_run can name
+    no run yet), or one waiting for the lock? Told by its argv (`_launch_of`), as lock_holder_run
+    tells the wrappers. Says only that such a process exists, never which run will start."""
+    top = os.path.normpath(runs)
+    return any(True for _ in lock_openers(runs, lambda argv: _launch_of(argv, top)))
 
 
 def current_run(runs):

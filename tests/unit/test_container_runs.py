@@ -13,7 +13,7 @@ import pytest
 from waiting import wait_for
 
 from dflash_ops import status
-from dflash_ops.remote import prelude
+from dflash_ops.remote import prelude, ship
 from dflash_ops.remote import runs as container_runs
 from dflash_ops.remote.prelude import Refused
 
@@ -273,14 +273,18 @@ def test_warm_up_holds_the_lock_shared_and_clean_caches_waits_for_nobody(runs, t
 
 # --- launch, wait, stop on a real wrapper ---------------------------------------------------------------
 
-def launch(runs, tmp_path, name="r1", code="import time; time.sleep(60)", **extra):
+def launch_payload(runs, tmp_path, name="r1", code="import time; time.sleep(60)", **extra):
     config = tmp_path / "config.yaml"
     config.write_text("train: {}\n")
     payload = dict(runs=str(runs), name=name, config=str(config), argv=[sys.executable, "-c", code],
                    required=[sys.executable], preflight=None, manifest=str(tmp_path / "none.json"),
                    settle=0.3, launch="{}", env="A=1", cwd=str(tmp_path))
     payload.update(extra)
-    return call("launch", **payload)
+    return payload
+
+
+def launch(runs, tmp_path, name="r1", code="import time; time.sleep(60)", **extra):
+    return call("launch", **launch_payload(runs, tmp_path, name, code, **extra))
 
 
 def test_launch_records_the_run_and_stop_ends_its_group(runs, tmp_path):
@@ -297,6 +301,42 @@ def test_launch_records_the_run_and_stop_ends_its_group(runs, tmp_path):
     assert prelude.alive_run(str(runs)) is None
     assert (run / "stopped").read_text().startswith("term ")
     assert call("stop", runs=str(runs), name="r1")["outcome"] == "notalive"
+
+
+def test_a_launch_waits_out_another_under_way_and_names_the_run_it_started(runs, tmp_path, monkeypatch):
+    """Two launches at once: the first holds the lock through its preflight, before any wrapper can
+    be named; the second waits that out and names the run the first started, never `?`."""
+    assert ship.LOADER.encode().startswith(prelude.LOADER_START)  # how the first is told a launch
+    go = tmp_path / "go"
+    check = tmp_path / "preflight.py"  # the first launch's preflight: done once `go` exists (60 s at most)
+    check.write_text(f"import json, os, time\ndeadline = time.time() + 60\n"
+                     f"while not os.path.exists({str(go)!r}) and time.time() < deadline:\n"
+                     f"    time.sleep(0.05)\nprint(json.dumps({{'ok': True}}))\n")
+    payload = launch_payload(runs, tmp_path, "first", preflight=[sys.executable, str(check)])
+    first = subprocess.Popen([sys.executable, "-S", "-c", ship.LOADER, ship.packed("runs"), "launch",
+                              json.dumps(payload)], stdout=subprocess.PIPE, text=True)
+    try:
+        wait_for("the first launch to take the lock", lambda: prelude.lock_held(str(runs)) == "exclusive",
+                 timeout=30, every=0.05)
+        assert prelude.alive_run(str(runs)) == "?"  # its preflight: no run to name yet
+        assert prelude.launch_under_way(str(runs))
+        real = prelude.launch_under_way
+
+        def under_way(path):  # the first preflight ends once the second launch is waiting on it
+            seen = real(path)
+            go.touch()
+            return seen
+
+        monkeypatch.setattr(container_runs, "launch_under_way", under_way, raising=False)
+        second = launch(runs, tmp_path, name="second", lock_wait=0)
+        assert (second["error"], second["run"]) == ("busy", "first"), second
+        assert not (runs / "second").exists()
+    finally:
+        go.touch()
+        out = first.communicate(timeout=60)[0]
+    assert json.loads(out.splitlines()[-1])["ok"]["outcome"] == "started", out
+    assert call("stop", runs=str(runs), name="first", grace=5)["outcome"] == "term"
+    assert not prelude.launch_under_way(str(runs))
 
 
 def test_launch_that_dies_at_once_says_so_with_its_log(runs, tmp_path):

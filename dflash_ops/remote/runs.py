@@ -42,6 +42,7 @@ from dflash_ops.remote.prelude import (
     holds_runs_lock,
     last_activity,
     last_record,
+    launch_under_way,
     mtime,
     number,
     read_end,
@@ -393,6 +394,27 @@ def preflight(args):
     return verdict
 
 
+LAUNCH_RACE_WAIT_S = 240  # how long a launch waits out another one under way (its preflight: up to
+# 300 s; the client's LAUNCH_TIMEOUT_S of 600 covers this wait, this launch's own preflight and settle)
+
+
+def _after_other_launches(runs):
+    """The runs lock, once no other launch holds it; None when a run (or a warm-up, or anything
+    unnamed that is no launch) holds it. Another launch holds the lock through its preflight, before
+    its wrapper exists to be named: answering then would say `run ? is alive` of a run that may
+    never start. So while the holder is unnamed and a launch is under way (launch_under_way), wait:
+    the other launch either starts its run (then named: busy) or fails (the lock is free: this one
+    goes on), up to LAUNCH_RACE_WAIT_S."""
+    deadline = time.monotonic() + LAUNCH_RACE_WAIT_S
+    while time.monotonic() < deadline:
+        if alive_run(runs) != "?" or not launch_under_way(runs):
+            return runs_lock(runs)  # free since the first try, or held by what a refusal names
+        lock = runs_lock(runs, wait=0.5)
+        if lock is not None:
+            return lock
+    return None
+
+
 def launch(args):
     """Check, take the lock, preflight, record, detach the wrapper, and see it alive after `settle`."""
     runs = args["runs"]
@@ -408,12 +430,14 @@ def launch(args):
         raise Refused("cannot-write", f"cannot create {runs}: {exc.strerror}") from None
     lock = runs_lock(runs, wait=float(args.get("lock_wait", 2)))
     if lock is None:
+        lock = _after_other_launches(runs)
+    if lock is None:
         raise _busy(runs)
     held = [lock]
     try:
         return _launch_locked(args, held, directory)
     finally:
-        for fd in held:  # a refusal or a failure before the wrapper took the lock over
+        for fd in held:  # the wrapper has its own copy; or a refusal, or a failure before the wrapper
             os.close(fd)
 
 
@@ -452,7 +476,9 @@ def _launch_locked(args, held, directory):
                        + _hook(args.get("hook")) + list(argv),
                        stdin=devnull, stdout=out, stderr=subprocess.STDOUT, pass_fds=(lock,),
                        cwd=args.get("cwd"))
-    os.close(held.pop())  # the wrapper holds it now
+    # The wrapper holds the lock now, on the same open file; ours stays open until the answer (launch's
+    # `finally`), so that until the wrapper runs as `sh <run>/run.sh` and can be named, a launch
+    # (launch_under_way) has the lock file open: `setsid -f` forks and execs between the two.
     pid_file = os.path.join(directory, "pid")
     for _ in range(100):
         if read_text(pid_file):

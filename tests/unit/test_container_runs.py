@@ -312,7 +312,7 @@ def test_a_launch_waits_out_another_under_way_and_names_the_run_it_started(runs,
     check.write_text(f"import json, os, time\ndeadline = time.time() + 60\n"
                      f"while not os.path.exists({str(go)!r}) and time.time() < deadline:\n"
                      f"    time.sleep(0.05)\nprint(json.dumps({{'ok': True}}))\n")
-    payload = launch_payload(runs, tmp_path, "first", preflight=[sys.executable, str(check)])
+    payload = launch_payload(runs, tmp_path, "first", preflight=[sys.executable, str(check)], settle=15)
     first = subprocess.Popen([sys.executable, "-S", "-c", ship.LOADER, ship.packed("runs"), "launch",
                               json.dumps(payload)], stdout=subprocess.PIPE, text=True)
     try:
@@ -331,6 +331,10 @@ def test_a_launch_waits_out_another_under_way_and_names_the_run_it_started(runs,
         second = launch(runs, tmp_path, name="second", lock_wait=0)
         assert (second["error"], second["run"]) == ("busy", "first"), second
         assert not (runs / "second").exists()
+        # the first launch keeps its copy of the lock until its answer (its settle, 15 s): from the
+        # lock's first taking until the wrapper can be named, a launch under way always has it
+        under_way, answered = real(str(runs)), first.poll() is not None
+        assert not answered and under_way
     finally:
         go.touch()
         out = first.communicate(timeout=60)[0]

@@ -422,7 +422,7 @@ def launch_under_way(runs):
     no run yet), or one waiting for the lock? Told by its argv (`_launch_of`), as lock_holder_run
     tells the wrappers. Says only that such a process exists, never which run will start."""
     top = os.path.normpath(runs)
-    return any(True for _ in lock_openers(runs, lambda argv: _launch_of(argv, top)))
+    return next(lock_openers(runs, lambda argv: _launch_of(argv, top)), None) is not None
 
 
 def current_run(runs):

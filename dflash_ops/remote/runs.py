@@ -433,18 +433,15 @@ def launch(args):
         lock = _after_other_launches(runs)
     if lock is None:
         raise _busy(runs)
-    held = [lock]
     try:
-        return _launch_locked(args, held, directory)
+        return _launch_locked(args, lock, directory)
     finally:
-        for fd in held:  # the wrapper has its own copy; or a refusal, or a failure before the wrapper
-            os.close(fd)
+        os.close(lock)  # the wrapper has its own copy; or a refusal, or a failure before the wrapper
 
 
-def _launch_locked(args, held, directory):
+def _launch_locked(args, lock, directory):
     import subprocess
 
-    lock = held[0]
     runs, name, argv = args["runs"], args["name"], args["argv"]
     checked = preflight(args)
     try:
